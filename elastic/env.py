@@ -1,0 +1,24 @@
+"""Names of every environment variable the project reads or sets, in one place."""
+
+from __future__ import annotations
+
+# Set before protobuf is first imported so that etcd3's generated code loads.
+PROTOBUF_IMPL = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
+
+# torch elastic: opt out of the agent-hosted shared TCPStore (see elastic.rendezvous.handler).
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+# Set by torch elastic for every worker.
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+RUN_ID = "TORCHELASTIC_RUN_ID"
+
+# Ours.
+EVENT_LOG = "ELASTIC_EVENT_LOG"  # path of the JSON-lines event log; unset = no file
+CONFIG_PREFIX = "ELASTIC_"  # ELASTIC_<SECTION>__<KEY>=value overrides a config field
