@@ -1,0 +1,105 @@
+"""``RendezvousBackend`` on etcd v3: storage only, compare-and-set on a token.
+
+The token is the state key's ``mod_revision``. ``set_state`` is one etcd
+transaction: *if* the key was last modified at ``token`` (or, for a ``None``
+token, does not exist) *then* put the new state *else* read the current one.
+A lost race therefore costs one round trip and returns what the winner wrote.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+
+from elastic.errors import EtcdStateError
+from elastic.etcd_client import EtcdClient, compare_absent, compare_mod, op_get, op_put
+from elastic.rendezvous.keys import RunKeys
+from elastic.rendezvous.lease import RunLease
+
+_MAGIC = b"EV3\x01"
+_HEADER = struct.Struct(">4sI")  # magic, crc32 of the payload
+
+
+def encode_state(state: bytes) -> bytes:
+    """Frame the state with a magic tag and a checksum so corruption is detected."""
+    return _HEADER.pack(_MAGIC, zlib.crc32(state)) + state
+
+
+def decode_state(blob: bytes, key: bytes) -> bytes:
+    """Undo :func:`encode_state`; raise ``EtcdStateError`` naming the key on any mismatch."""
+    if len(blob) >= _HEADER.size:
+        magic, crc = _HEADER.unpack_from(blob)
+        payload = blob[_HEADER.size :]
+        if magic == _MAGIC and zlib.crc32(payload) == crc:
+            return payload
+    raise EtcdStateError(
+        f"The rendezvous state at etcd key '{key.decode()}' is corrupt; stop the run's agents "
+        f"and delete the key (etcdctl del {key.decode()}) to start the rendezvous afresh."
+    )
+
+
+class EtcdRendezvousBackend(RendezvousBackend):
+    """Holds a run's rendezvous state in one etcd v3 key.
+
+    Args:
+        client: the etcd client.
+        keys: the run's key layout.
+        lease: the lease attached to every write (keys of an abandoned run expire).
+    """
+
+    def __init__(self, client: EtcdClient, keys: RunKeys, lease: RunLease) -> None:
+        self._client = client
+        self._key = keys.state
+        self._lease = lease
+
+    @property
+    def name(self) -> str:
+        """See base class."""
+        return "etcd-v3"
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """See base class."""
+        kvs = self._client.range(self._key).kvs
+        if not kvs:
+            return None
+        return decode_state(kvs[0].value, self._key), kvs[0].mod_revision
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """See base class."""
+        if token is None:
+            compare = compare_absent(self._key)
+        else:
+            revision = _as_revision(token)
+            if revision is None:
+                return self._current()
+            compare = compare_mod(self._key, revision)
+        put = op_put(self._key, encode_state(state), self._lease.id())
+        response = self._client.txn([compare], [put], [op_get(self._key)])
+        if response.succeeded:
+            return state, response.header.revision, True
+        return self._from_range(response.responses[0].response_range.kvs)
+
+    def _current(self) -> tuple[bytes, Token, bool] | None:
+        return self._from_range(self._client.range(self._key).kvs)
+
+    def _from_range(self, kvs: Any) -> tuple[bytes, Token, bool] | None:
+        if not kvs:
+            return None
+        return decode_state(kvs[0].value, self._key), kvs[0].mod_revision, False
+
+
+def _as_revision(token: Token) -> int | None:
+    if isinstance(token, bool):
+        return None
+    try:
+        return int(token)
+    except (TypeError, ValueError):
+        return None
+
+
+__all__ = ["EtcdRendezvousBackend", "decode_state", "encode_state"]

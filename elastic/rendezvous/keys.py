@@ -1,0 +1,42 @@
+"""Where a run's data lives in etcd: ``<prefix>/<run_id>/...``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.errors import ConfigError
+
+DEFAULT_PREFIX = "/elastic"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The etcd key layout of one run."""
+
+    prefix: str
+    run_id: str
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise ConfigError(
+                f"The run id '{self.run_id}' is invalid; use a non-empty name without '/'."
+            )
+        if not self.prefix.startswith("/"):
+            raise ConfigError(f"The etcd key prefix '{self.prefix}' must start with '/'.")
+
+    @property
+    def root(self) -> bytes:
+        return f"{self.prefix.rstrip('/')}/{self.run_id}/".encode()
+
+    @property
+    def state(self) -> bytes:
+        """The rendezvous state (DynamicRendezvousHandler's pickled state)."""
+        return self.root + b"rdzv/state"
+
+    @property
+    def store(self) -> bytes:
+        """Prefix of the c10d store's keys."""
+        return self.root + b"store/"
+
+
+__all__ = ["DEFAULT_PREFIX", "RunKeys"]
