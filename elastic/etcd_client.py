@@ -257,7 +257,7 @@ class EtcdClient:
 
     def _recoverable(self, conn: _Connection, exc: grpc.RpcError, errors: dict[str, str]) -> bool:
         code = exc.code()
-        if code in _RETRYABLE:
+        if code in _RETRYABLE or _is_deadline(exc):
             errors[str(conn.endpoint)] = _describe(exc)
             logger.debug("etcd %s failed (%s); trying the next endpoint", conn.endpoint, code)
             return True
@@ -379,12 +379,19 @@ def _watch_once(conn: _Connection, create: Any, timeout: float) -> bool:
                 return True
         return False
     except grpc.RpcError as exc:
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if _is_deadline(exc):
             return False
         raise
     finally:
         done.set()
         stream.cancel()
+
+
+def _is_deadline(exc: grpc.RpcError) -> bool:
+    # etcd reports a propagated client deadline as UNKNOWN "context deadline exceeded".
+    return exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or (
+        exc.code() == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (exc.details() or "")
+    )
 
 
 def _prefix_end(key: bytes) -> bytes:

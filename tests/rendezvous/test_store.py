@@ -1,0 +1,121 @@
+"""c10d Store semantics on a real etcd, through torch's own PrefixStore where torch uses it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.rendezvous.keys import RunKeys
+from elastic.rendezvous.lease import RunLease
+from elastic.rendezvous.store import EtcdStore
+
+
+def make_store(client: EtcdClient, run_id: str, timeout: float = 5.0) -> EtcdStore:
+    return EtcdStore(
+        client, RunKeys("/elastic-test", run_id), RunLease(client, 60), timedelta(seconds=timeout)
+    )
+
+
+@pytest.fixture
+def store(client: EtcdClient, run_id: str) -> EtcdStore:
+    return make_store(client, run_id)
+
+
+def test_set_get_str_and_bytes(store: EtcdStore) -> None:
+    store.set("a", "1")
+    store.set("b", b"\x00\xff")
+    assert store.get("a") == b"1"
+    assert store.get("b") == b"\x00\xff"
+
+
+def test_blocking_get_times_out_with_torch_error(client: EtcdClient, run_id: str) -> None:
+    store = make_store(client, run_id, timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match="did not appear in the etcd store within 0.5 s"):
+        dist.PrefixStore("p/", store).get("never")
+    assert 0.45 < time.monotonic() - started < 3
+
+
+def test_blocking_get_wakes_on_set_from_another_thread(store: EtcdStore) -> None:
+    timer = threading.Timer(0.3, lambda: store.set("late", "v"))
+    timer.start()
+    started = time.monotonic()
+    assert store.get("late") == b"v"
+    assert time.monotonic() - started < 2.0
+    timer.join()
+
+
+def test_wait_on_several_keys(store: EtcdStore) -> None:
+    def publish() -> None:
+        for key in ("k1", "k2", "k3"):
+            time.sleep(0.1)
+            store.set(key, "x")
+
+    t = threading.Thread(target=publish)
+    t.start()
+    store.wait(["k1", "k2", "k3"])
+    t.join()
+    assert store.check(["k1", "k2", "k3"])
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["k1", "missing"], timedelta(seconds=0.3))
+
+
+def test_check_add_compare_set(store: EtcdStore) -> None:
+    assert not store.check(["c"])
+    assert store.add("c", 5) == 5
+    assert store.add("c", -2) == 3
+    assert store.check(["c"])
+    assert store.compare_set("cs", "", "first") == b"first"  # absent + empty expected: set
+    assert store.compare_set("cs", "wrong", "x") == b"first"
+    assert store.compare_set("cs", "first", "second") == b"second"
+    assert store.compare_set("absent", "nonempty", "x") == b"nonempty"
+    assert not store.check(["absent"])
+
+
+def test_delete_and_num_keys_through_prefix_store(store: EtcdStore) -> None:
+    prefixed = dist.PrefixStore("round1/", store)
+    for key in ("a", "b", "c"):
+        prefixed.set(key, "1")
+    assert store.num_keys() == 3
+    assert prefixed.delete_key("b") is True
+    assert prefixed.delete_key("b") is False
+    assert prefixed.num_keys() == 2
+
+
+def test_two_run_ids_never_mix(client: EtcdClient) -> None:
+    one, two = make_store(client, "run-one-x"), make_store(client, "run-one")
+    one.set("k", "1")
+    two.set("k", "2")
+    assert one.get("k") == b"1" and two.get("k") == b"2"
+    assert one.num_keys() == 1 and two.num_keys() == 1
+
+
+def _adder(endpoint: str, run_id: str, n: int, out: mp.Queue) -> None:
+    with EtcdClient(EtcdOptions(parse_endpoints(endpoint)[0])) as client:
+        store = make_store(client, run_id)
+        results = [store.add("counter", 1) for _ in range(n)]
+        out.put((results, client.requests))
+
+
+def test_add_from_8_processes_is_exact(etcd, run_id: str) -> None:  # type: ignore[no-untyped-def]
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_adder, args=(etcd.endpoint, run_id, 100, out)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    seen = []
+    for _ in procs:
+        results, _requests = out.get(timeout=120)
+        seen.extend(results)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sorted(seen) == list(range(1, 801)), "every add must return a distinct running total"
+    with EtcdClient(EtcdOptions(parse_endpoints(etcd.endpoint)[0])) as client:
+        assert make_store(client, run_id).get("counter") == b"800"

@@ -1,0 +1,92 @@
+"""Pure logic: endpoint parsing, state framing, option validation. No etcd."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic.errors import ConfigError, EtcdStateError
+from elastic.etcd_client import Endpoint, EtcdOptions, _prefix_end, parse_endpoints
+from elastic.rendezvous.backend import decode_state, encode_state
+from elastic.rendezvous.handler import check_keep_alive, etcd_options
+from elastic.rendezvous.keys import RunKeys
+
+
+def params(endpoint: str = "127.0.0.1:2379", **conf: object) -> RendezvousParameters:
+    return RendezvousParameters("etcd-v3", endpoint, "job", 1, 2, **conf)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected", "secure"),
+    [
+        ("h1:1,h2:2", [Endpoint("h1", 1), Endpoint("h2", 2)], False),
+        ("h1", [Endpoint("h1", 2379)], False),
+        ("https://h1:5, http://h2:6", [Endpoint("h1", 5), Endpoint("h2", 6)], True),
+        ("[::1]:7", [Endpoint("::1", 7)], False),
+    ],
+)
+def test_parse_endpoints(spec: str, expected: list[Endpoint], secure: bool) -> None:
+    assert parse_endpoints(spec) == (expected, secure)
+
+
+@pytest.mark.parametrize("spec", ["", " , ", "ftp://h:1", "h:notaport", "h:99999"])
+def test_parse_endpoints_rejects(spec: str) -> None:
+    with pytest.raises(ConfigError, match=r"etcd endpoint"):
+        parse_endpoints(spec)
+
+
+def test_endpoint_str_brackets_ipv6() -> None:
+    assert str(Endpoint("::1", 7)) == "[::1]:7"
+
+
+def test_prefix_end() -> None:
+    assert _prefix_end(b"/a/") == b"/a0"
+    assert _prefix_end(b"a\xff") == b"b"
+
+
+def test_state_round_trip_and_corruption() -> None:
+    blob = encode_state(b"payload")
+    assert decode_state(blob, b"/k") == b"payload"
+    for bad in (b"", b"garbage", blob[:-1] + b"X", b"EV3\x02" + blob[4:]):
+        with pytest.raises(EtcdStateError, match=r"^The rendezvous state at etcd key '/k' is corrupt"):
+            decode_state(bad, b"/k")
+
+
+def test_options_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    eps = [Endpoint("h", 1)]
+    with pytest.raises(ConfigError, match="user and its password"):
+        EtcdOptions(eps, user="u")
+    with pytest.raises(ConfigError, match="certificate and its key"):
+        EtcdOptions(eps, cert="c.pem")
+    with pytest.raises(ConfigError, match="does not exist"):
+        EtcdOptions(eps, ca_cert=str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match="positive"):
+        EtcdOptions(eps, request_timeout=0)
+
+
+def test_etcd_options_from_params() -> None:
+    opts = etcd_options(params("https://a:1,b:2", user="u", password="p", request_timeout="7"))
+    assert [str(e) for e in opts.endpoints] == ["a:1", "b:2"]
+    assert opts.secure and opts.user == "u" and opts.request_timeout == 7.0
+    with pytest.raises(ConfigError, match="protocol 'gopher'"):
+        etcd_options(params(protocol="gopher"))
+
+
+@pytest.mark.parametrize(("interval", "attempts"), [(1, 2), (1, 1), (0, 5), (2, 1)])
+def test_keep_alive_settings_that_risk_split_brain_are_refused(interval: int, attempts: int) -> None:
+    with pytest.raises(ConfigError, match="split brain"):
+        check_keep_alive(params(keep_alive_interval=interval, keep_alive_max_attempt=attempts))
+
+
+def test_keep_alive_defaults_and_tuned_values_pass() -> None:
+    check_keep_alive(params())
+    check_keep_alive(params(keep_alive_interval=1, keep_alive_max_attempt=3))
+
+
+def test_run_keys() -> None:
+    keys = RunKeys("/elastic", "job")
+    assert keys.state == b"/elastic/job/rdzv/state"
+    assert keys.store == b"/elastic/job/store/"
+    for bad_prefix, bad_run in (("/p", ""), ("/p", "a/b"), ("p", "job")):
+        with pytest.raises(ConfigError):
+            RunKeys(bad_prefix, bad_run)
