@@ -40,10 +40,12 @@ from typing import TYPE_CHECKING
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 from elastic import env
-from elastic.errors import ConfigError
 
 if TYPE_CHECKING:
     from elastic.etcd_client import EtcdClient, EtcdOptions
+
+# elastic.errors imports torch's rendezvous package, whose registry imports this
+# module: import it lazily to keep that cycle open.
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ MIN_KEEP_ALIVE_WINDOW_S = 3
 
 def etcd_options(params: RendezvousParameters) -> EtcdOptions:
     """Build client options from ``--rdzv-endpoint`` and ``--rdzv-conf``."""
+    from elastic.errors import ConfigError
     from elastic.etcd_client import EtcdOptions, parse_endpoints
 
     endpoints, https = parse_endpoints(params.endpoint or "localhost")
@@ -77,6 +80,8 @@ def etcd_options(params: RendezvousParameters) -> EtcdOptions:
 
 def check_keep_alive(params: RendezvousParameters) -> None:
     """Refuse heartbeat settings that let a live but busy node be declared dead."""
+    from elastic.errors import ConfigError
+
     interval = params.get_as_int("keep_alive_interval", 5) or 0
     attempts = params.get_as_int("keep_alive_max_attempt", 3) or 0
     if attempts < MIN_KEEP_ALIVE_ATTEMPTS or interval * attempts < MIN_KEEP_ALIVE_WINDOW_S:
