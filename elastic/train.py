@@ -1,0 +1,132 @@
+"""One training step with a constant global batch, whatever the world size.
+
+Each global batch is cut into fixed micro-batches defined globally (see
+:mod:`elastic.sampler`); rank ``r`` computes micro-batches ``r, r+W, r+2W, ...``.
+Every micro-batch loss is the mean over its samples, scaled by ``W / M`` (``M``
+micro-batches per step, ``W`` ranks). DDP averages gradients over ``W``, so the
+applied gradient is ``sum_j grad(loss_j) / M``: the gradient of the mean loss
+over the global batch, independent of ``W``. Only each rank's last micro-batch
+synchronizes; the others run under ``no_sync``. BatchNorm running statistics are
+made world-size free by :class:`elastic.model.BatchNormStats`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import Dataset
+
+from elastic.config import OptimizerConfig
+from elastic.data import collate
+from elastic.model import BatchNormStats
+from elastic.sampler import Cursor, ElasticSampler
+
+
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """Build SGD (with momentum) or AdamW over the model's parameters."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                             weight_decay=cfg.weight_decay)
+
+
+def lr_lambda(cfg: OptimizerConfig, total_steps: int, world_size: int) -> Callable[[int], float]:
+    """Return step -> LR multiplier: scaling rule x linear warmup x cosine/step/constant decay."""
+    scale = {"none": 1.0, "linear": world_size / cfg.reference_world_size,
+             "sqrt": math.sqrt(world_size / cfg.reference_world_size)}[cfg.lr_scaling]
+    floor = cfg.min_lr / cfg.lr
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return scale * (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            span = max(1, total_steps - cfg.warmup_steps)
+            progress = min(1.0, (step - cfg.warmup_steps) / span)
+            return scale * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+        if cfg.schedule == "step":
+            return scale * cfg.gamma ** ((step - cfg.warmup_steps) // cfg.step_size)
+        return scale
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int,
+                    world_size: int) -> LambdaLR:
+    """Build the LR schedule (``LambdaLR``; its state holds the step count)."""
+    return LambdaLR(optimizer, lr_lambda(cfg, total_steps, world_size))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did, identical on every rank."""
+
+    loss: float
+    cursor: Cursor
+    stop: bool
+
+
+class Trainer:
+    """Runs global-batch steps over ``sampler`` with gradient accumulation."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
+                 dataset: Dataset[tuple[torch.Tensor, int]], sampler: ElasticSampler,
+                 rank: int, world_size: int, device: torch.device) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.dataset = dataset
+        self.sampler = sampler
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.bn = BatchNormStats(model)
+        self.last_indices: list[int] = []
+
+    def step(self, cursor: Cursor, stop_requested: bool = False) -> StepResult:
+        """Run one optimizer step on the global batch at ``cursor``."""
+        indices, after = self.sampler.global_batch(cursor)
+        mine = self.sampler.for_rank(indices, self.rank, self.world_size)
+        self.last_indices = [int(i) for mb in mine for i in mb]
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.bn.begin_step()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, micro in enumerate(mine):
+            loss_sum += self._micro_step(micro, last=i == len(mine) - 1)
+        self.bn.end_step(self.sampler.micro_batches_per_step)
+        self.optimizer.step()
+        self.scheduler.step()
+        return self._agree(loss_sum, after, stop_requested)
+
+    def _micro_step(self, micro: torch.Tensor, last: bool) -> torch.Tensor:
+        images, labels = collate(self.dataset, micro)
+        images, labels = images.to(self.device), labels.to(self.device)
+        self.bn.before_micro_batch()
+        sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        with sync:
+            loss = F.cross_entropy(self.model(images), labels)
+            (loss * self.world_size / self.sampler.micro_batches_per_step).backward()
+        self.bn.after_micro_batch()
+        return loss.detach().double().cpu() * len(micro)
+
+    def _agree(self, loss_sum: torch.Tensor, cursor: Cursor, stop: bool) -> StepResult:
+        """All-reduce the loss and the stop flag so every rank sees the same values."""
+        packed = torch.stack([loss_sum, torch.tensor(float(stop), dtype=torch.float64)])
+        if dist.is_initialized() and self.world_size > 1:
+            packed = packed.to(self.device)
+            dist.all_reduce(packed)
+            packed = packed.cpu()
+        loss = float(packed[0]) / self.sampler.global_batch_size
+        return StepResult(loss=loss, cursor=cursor, stop=bool(packed[1] > 0))
+
+
+__all__ = ["StepResult", "Trainer", "build_optimizer", "build_scheduler", "lr_lambda"]

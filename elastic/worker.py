@@ -1,0 +1,274 @@
+"""The training worker: ``python -m elastic.worker --config configs/default.yaml [k=v ...]``.
+
+Run it under torch elastic (``torchrun``), which sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; without them it runs as a world
+of one. On start it resumes from the newest complete checkpoint, whatever world
+size wrote it. On SIGTERM it finishes the current step, saves a checkpoint
+synchronously, and exits 0. Exit codes: 0 done or stopped, 1 checkpoint or
+runtime failure, 2 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic import env, events
+from elastic.checkpoint import CheckpointManager, CommitFence
+from elastic.config import Config, DistributedConfig, JobConfig, load_config
+from elastic.data import build_dataset
+from elastic.errors import CheckpointError, ConfigError
+from elastic.model import build_model
+from elastic.sampler import Cursor, ElasticSampler
+from elastic.train import StepResult, Trainer, build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    checkpoint_group: dist.ProcessGroup | None
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop stops after the current step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        logger.warning("Received %s; stopping after this step with a checkpoint.",
+                       signal.Signals(signum).name)
+        self.requested = True
+
+
+def init_distributed(cfg: DistributedConfig) -> DistContext:
+    """Join the process group from torch elastic's env vars (or form a world of one)."""
+    use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if env.WORLD_SIZE in os.environ:
+        local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        local_rank = 0
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.checkpoint_timeout_s))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return DistContext(dist.get_rank(), dist.get_world_size(), device, group)
+
+
+def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """Wrap in DDP without buffer broadcasts: BatchNormStats keeps buffers consistent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        return DistributedDataParallel(
+            model, broadcast_buffers=False,
+            device_ids=[device] if device.type == "cuda" else None)
+
+
+def _setup_torch(cfg: JobConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def total_steps(cfg: Config, sampler: ElasticSampler) -> int:
+    """The schedule's length: ``max_steps`` or ``max_epochs`` worth of steps, whichever is less."""
+    limits = [cfg.job.max_steps] if cfg.job.max_steps else []
+    if cfg.job.max_epochs:
+        limits.append(cfg.job.max_epochs * sampler.steps_per_epoch)
+    return min(limits)
+
+
+class Worker:
+    """Owns the model, optimizer, data and checkpoints of one rank."""
+
+    def __init__(self, cfg: Config, ctx: DistContext,
+                 commit_fence: CommitFence | None = None) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        dataset = build_dataset(cfg.data, cfg.model.num_classes, cfg.job.seed)
+        self.sampler = ElasticSampler(len(dataset), cfg.data.global_batch_size,  # type: ignore[arg-type]
+                                      cfg.data.micro_batch_size, cfg.job.seed)
+        if ctx.world_size > self.sampler.micro_batches_per_step:
+            raise ConfigError(
+                f"world size {ctx.world_size} exceeds the {self.sampler.micro_batches_per_step} "
+                "micro-batches per step; lower data.micro_batch_size or raise "
+                "data.global_batch_size."
+            )
+        torch.manual_seed(cfg.job.seed)
+        model = build_model(cfg.model).to(ctx.device)
+        self.model = _wrap_ddp(model, ctx.device)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model)
+        self.total_steps = total_steps(cfg, self.sampler)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, self.total_steps,
+                                         ctx.world_size)
+        self.trainer = Trainer(self.model, self.optimizer, self.scheduler, dataset, self.sampler,
+                               ctx.rank, ctx.world_size, ctx.device)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.job.run_id,
+                                             ctx.checkpoint_group, commit_fence)
+        self.step = 0
+        self.cursor = Cursor()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpointed state: model, optimizer, LR schedule, train state."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        train = {"step": self.step, **self.cursor.as_dict(), "world_size": self.ctx.world_size,
+                 "rng_cpu": torch.get_rng_state()}
+        return {"model": model_sd, "optim": optim_sd, "scheduler": sched, "train": train}
+
+    def resume(self) -> None:
+        """Load the newest complete checkpoint, if any, into this (possibly resized) world."""
+        if not self.cfg.checkpoint.enabled:
+            return
+        loaded = self.checkpoints.load_latest(self.state_dict)
+        if loaded is None:
+            return
+        state = loaded[1]
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        train = state["train"]
+        torch.set_rng_state(train["rng_cpu"])
+        self.step = int(train["step"])
+        self.cursor = Cursor(int(train["epoch"]), int(train["consumed"]))
+        logger.info("Resumed at step %d (epoch %d, %d samples in) with world size %d; the "
+                    "checkpoint was written by world size %d.", self.step, self.cursor.epoch,
+                    self.cursor.consumed, self.ctx.world_size, int(train["world_size"]))
+
+    def save(self, block: bool) -> None:
+        """Checkpoint the current step (in the background unless ``block``)."""
+        if self.cfg.checkpoint.enabled:
+            self.checkpoints.save(self.step, self.state_dict(), block=block)
+
+    def run(self, stop: _StopFlag) -> int:
+        """Train until the last step or a stop request; return the exit code."""
+        end = min(self.total_steps, self.cfg.job.stop_at or self.total_steps)
+        progress = _Progress(end, self.ctx.rank == 0 and self.cfg.job.progress_bar)
+        last_saved = self.step if self.step else None
+        while self.step < end:
+            started = time.perf_counter()
+            result = self.trainer.step(self.cursor, stop.requested)
+            self.step += 1
+            self.cursor = result.cursor
+            self._report(result, time.perf_counter() - started, progress)
+            if result.stop:
+                break
+            if self.step % self.cfg.checkpoint.interval == 0 and self.step < end:
+                self.save(block=False)
+                last_saved = self.step
+        progress.close()
+        if last_saved != self.step:
+            self.save(block=True)
+        self.checkpoints.close()
+        logger.info("Stopped at step %d of %d.", self.step, self.total_steps)
+        return 0
+
+    def _report(self, result: StepResult, seconds: float, progress: _Progress) -> None:
+        samples_per_s = self.sampler.global_batch_size / max(seconds, 1e-9)
+        if self.cfg.job.sample_ledger:
+            events.emit("train.samples", step=self.step, rank=self.ctx.rank,
+                        world_size=self.ctx.world_size, indices=self.trainer.last_indices)
+        if self.ctx.rank != 0:
+            return
+        lr = self.optimizer.param_groups[0]["lr"]
+        events.emit("train.step", step=self.step, loss=round(result.loss, 6),
+                    samples_per_s=round(samples_per_s, 2), lr=lr,
+                    world_size=self.ctx.world_size, epoch=result.cursor.epoch)
+        progress.update(self.step, result.loss)
+        if self.step % self.cfg.job.log_every == 0 or self.step == 1:
+            logger.info("step %d/%d loss %.4f lr %.4g %.1f samples/s world %d", self.step,
+                        self.total_steps, result.loss, lr, samples_per_s, self.ctx.world_size)
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def update(self, step: int, loss: float) -> None:
+        if self.enabled:
+            filled = int(30 * step / max(self.total, 1))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {step}/{self.total} "
+                             f"loss {loss:.4f}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def train(cfg: Config, commit_fence: CommitFence | None = None) -> int:
+    """Run one worker to completion inside the current torch elastic world."""
+    _setup_torch(cfg.job)
+    stop = _StopFlag()
+    stop.install()
+    ctx = init_distributed(cfg.distributed)
+    try:
+        worker = Worker(cfg, ctx, commit_fence)
+        worker.resume()
+        return worker.run(stop)
+    finally:
+        dist.destroy_process_group()
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m elastic.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = _parse(argv)
+    rank = os.environ.get(env.RANK, "0")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        return train(load_config(args.config, args.overrides))
+    except ConfigError as exc:
+        print(f"elastic.worker: error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        logger.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
