@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 
@@ -136,5 +137,5 @@ def test_racing_threads_have_exactly_one_winner_per_token(
     # The wins form one linear history: each starts from the token the previous one made.
     chain.sort()
     assert chain[0][0] == token
-    assert all(new == nxt for (_, new), (nxt, _) in zip(chain, chain[1:], strict=False))
+    assert all(new == nxt for (_, new), (nxt, _) in itertools.pairwise(chain))
     assert backends[0].get_state()[1] == chain[-1][1]  # type: ignore[index]

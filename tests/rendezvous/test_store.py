@@ -37,7 +37,9 @@ def test_set_get_str_and_bytes(store: EtcdStore) -> None:
 def test_blocking_get_times_out_with_torch_error(client: EtcdClient, run_id: str) -> None:
     store = make_store(client, run_id, timeout=0.5)
     started = time.monotonic()
-    with pytest.raises(dist.DistStoreError, match="did not appear in the etcd store within 0.5 s"):
+    with pytest.raises(
+        dist.DistStoreError, match=r"did not appear in the etcd store within 0\.5 s"
+    ):
         dist.PrefixStore("p/", store).get("never")
     assert 0.45 < time.monotonic() - started < 3
 

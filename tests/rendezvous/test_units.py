@@ -48,7 +48,9 @@ def test_state_round_trip_and_corruption() -> None:
     blob = encode_state(b"payload")
     assert decode_state(blob, b"/k") == b"payload"
     for bad in (b"", b"garbage", blob[:-1] + b"X", b"EV3\x02" + blob[4:]):
-        with pytest.raises(EtcdStateError, match=r"^The rendezvous state at etcd key '/k' is corrupt"):
+        with pytest.raises(
+            EtcdStateError, match=r"^The rendezvous state at etcd key '/k' is corrupt"
+        ):
             decode_state(bad, b"/k")
 
 
@@ -73,7 +75,9 @@ def test_etcd_options_from_params() -> None:
 
 
 @pytest.mark.parametrize(("interval", "attempts"), [(1, 2), (1, 1), (0, 5), (2, 1)])
-def test_keep_alive_settings_that_risk_split_brain_are_refused(interval: int, attempts: int) -> None:
+def test_keep_alive_settings_that_risk_split_brain_are_refused(
+    interval: int, attempts: int
+) -> None:
     with pytest.raises(ConfigError, match="split brain"):
         check_keep_alive(params(keep_alive_interval=interval, keep_alive_max_attempt=attempts))
 
