@@ -192,7 +192,7 @@ def validate_url(url: str) -> str:
         raise ValueError(f"malformed URL; did you mean {scheme.group(1)}://...?")
     if "://" in url:
         protocol = url.split("://", 1)[0]
-        known = set(fsspec.available_protocols())
+        known = set(fsspec.available_protocols()) | set(fsspec.registry)
         if protocol not in known:
             raise ValueError(f"unknown storage protocol {protocol!r}; fsspec knows e.g. file, "
                              "s3, gcs, memory")

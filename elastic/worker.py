@@ -200,7 +200,8 @@ class Worker:
         samples_per_s = self.sampler.global_batch_size / max(seconds, 1e-9)
         if self.cfg.job.sample_ledger:
             events.emit("train.samples", step=self.step, rank=self.ctx.rank,
-                        world_size=self.ctx.world_size, indices=self.trainer.last_indices)
+                        world_size=self.ctx.world_size, epoch=result.cursor.epoch,
+                        indices=self.trainer.last_indices)
         if self.ctx.rank != 0:
             return
         lr = self.optimizer.param_groups[0]["lr"]

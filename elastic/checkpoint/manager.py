@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import events
 from elastic.checkpoint.layout import find_latest_complete, purge, step_url, write_commit
@@ -147,8 +148,9 @@ class CheckpointManager:
         state = make_state()
         try:
             dcp.load(state, storage_reader=make_reader(url), process_group=self.group)
-        except Exception as exc:  # DCP wraps storage errors in several types
-            raise CheckpointError(f"Cannot load checkpoint {url}: {exc}. Delete or repair that "
+        except (Exception, CheckpointException) as exc:  # DCP wraps storage errors
+            raise CheckpointError(f"Cannot load checkpoint {url}: {_root_cause(exc)}. Delete or "
+                                  "repair that "
                                   "step directory to fall back to an older one.") from exc
         seconds = time.perf_counter() - started
         self.last_good = step
@@ -165,8 +167,8 @@ class CheckpointManager:
             writer = HashingWriter(url)
             dcp.save(staged, storage_writer=writer, process_group=self.group)
             local["files"] = writer.written
-        except Exception as exc:  # any storage failure must not kill training
-            local.update(ok=False, error=f"{type(exc).__name__}: {exc}".splitlines()[0])
+        except (Exception, CheckpointException) as exc:  # storage failures must not kill training
+            local.update(ok=False, error=_root_cause(exc))
         outcome = self._commit(step, url, self._gather(local))
         outcome.blocking_s = blocking
         outcome.durable_s = time.perf_counter() - started
@@ -233,6 +235,14 @@ class CheckpointManager:
                 "checkpoint.max_failures) and restart; training resumes from step "
                 f"{self.last_good}."
             )
+
+
+def _root_cause(exc: BaseException) -> str:
+    """One line naming the first underlying error (DCP wraps per-rank failures)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _) = sorted(exc.failures.items())[0]
+        return f"rank {rank}: {type(inner).__name__}: {inner}".splitlines()[0]
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:

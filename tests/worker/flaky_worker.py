@@ -1,0 +1,14 @@
+"""``elastic.worker`` with the ``flaky://`` test filesystem registered (run by torchrun)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from flaky_fs import register  # noqa: E402
+
+from elastic.worker import main  # noqa: E402
+
+if __name__ == "__main__":
+    register()
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Checkpoint layout and manager in one process: commit markers, corruption, purge, fences.
+
+These run without a process group (DCP's single-process mode), against real
+local files and fsspec's memory:// filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.checkpoint import (
+    COMMIT_MARKER,
+    CheckpointManager,
+    find_latest_complete,
+    inspect_step,
+    list_steps,
+    step_url,
+)
+from elastic.config import CheckpointConfig
+from elastic.errors import CheckpointError
+
+from .flaky_fs import FAIL_ENV, register
+
+RUN = "r"
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},
+            "train": {"step": int(value), "epoch": 0, "consumed": 24 * int(value)}}
+
+
+def _manager(url: str, **kw: object) -> CheckpointManager:
+    cfg = CheckpointConfig(url=url, interval=1, keep_last=kw.pop("keep_last", 3), **kw)
+    return CheckpointManager(cfg, RUN)
+
+
+def _load(manager: CheckpointManager) -> tuple[int, dict] | None:
+    return manager.load_latest(lambda: _state(0.0))
+
+
+@pytest.fixture(params=["file", "memory"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "memory":
+        return f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    return str(tmp_path / "ckpt")
+
+
+def test_save_then_load_roundtrip(url: str) -> None:
+    manager = _manager(url)
+    for step in (1, 2):
+        manager.save(step, _state(float(step)))
+    manager.close()
+    step, state = _load(_manager(url))
+    assert step == 2
+    torch.testing.assert_close(state["model"]["w"], torch.full((64, 8), 2.0))
+    assert state["train"] == {"step": 2, "epoch": 0, "consumed": 48}
+    assert find_latest_complete(url, RUN).step == 2
+
+
+def test_step_without_marker_is_never_loaded(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    url = str(tmp_path / "ckpt")
+    manager = _manager(url)
+    manager.save(1, _state(1.0), block=True)
+    manager.save(2, _state(2.0), block=True)
+    (tmp_path / "ckpt" / RUN / "step-2" / COMMIT_MARKER).unlink()
+    with caplog.at_level(logging.WARNING):
+        step, state = _load(_manager(url))
+    assert step == 1 and state["train"]["step"] == 1
+    assert "step-2: no commit marker" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_shard_is_never_loaded(tmp_path: Path, damage: str,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    url = str(tmp_path / "ckpt")
+    manager = _manager(url)
+    manager.save(1, _state(1.0), block=True)
+    manager.save(2, _state(2.0), block=True)
+    shard = next((tmp_path / "ckpt" / RUN / "step-2").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert _load(_manager(url))[0] == 1
+    expected = "truncated" if damage == "truncate" else "checksum mismatch"
+    assert expected in caplog.text and "step-2" in caplog.text
+    assert not inspect_step(url, RUN, 2).complete
+
+
+def test_purge_keeps_last_and_never_the_newest_complete(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    partial = tmp_path / "ckpt" / RUN / "step-9"
+    partial.mkdir(parents=True)  # an in-flight or crashed newer save
+    manager = _manager(url, keep_last=2)
+    for step in range(1, 6):
+        manager.save(step, _state(float(step)))
+    manager.close()
+    assert list_steps(url, RUN) == [9, 5, 4]
+    assert find_latest_complete(url, RUN, warn=False).step == 5
+
+
+def test_refusing_fence_blocks_the_commit(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    manager = _manager(url)
+    manager.save(1, _state(1.0), block=True)
+    refuse = {"on": True}
+
+    def fence() -> None:
+        if refuse["on"]:
+            raise RuntimeError("rendezvous round 3 is no longer current")
+
+    manager.commit_fence = fence
+    outcome = manager.save(2, _state(2.0), block=True)
+    assert not outcome.ok and "no longer current" in outcome.error
+    assert find_latest_complete(url, RUN, warn=False).step == 1
+    refuse["on"] = False
+    assert manager.save(3, _state(3.0), block=True).ok
+    assert find_latest_complete(url, RUN).step == 3
+
+
+def test_failing_storage_keeps_previous_and_stops_after_max(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    register()
+    url = f"flaky://{tmp_path}/ckpt"
+    manager = _manager(url, max_failures=2)
+    manager.save(1, _state(1.0), block=True)
+    monkeypatch.setenv(FAIL_ENV, "step-2,step-3")
+    outcome = manager.save(2, _state(2.0), block=True)
+    assert not outcome.ok and "injected storage failure" in outcome.error
+    assert manager.failures == 1
+    assert find_latest_complete(url, RUN, warn=False).step == 1
+    with pytest.raises(CheckpointError, match="2 checkpoint saves in a row failed"):
+        manager.save(3, _state(3.0), block=True)
+    marker = json.loads((tmp_path / "ckpt" / RUN / "step-1" / COMMIT_MARKER).read_text())
+    assert marker["step"] == 1 and step_url(url, RUN, 1).endswith("/r/step-1")
