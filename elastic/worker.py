@@ -54,10 +54,16 @@ class _StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self._previous: dict[int, Any] = {}
 
-    def install(self) -> None:
+    def __enter__(self) -> _StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         logger.warning("Received %s; stopping after this step with a checkpoint.",
@@ -236,15 +242,14 @@ class _Progress:
 def train(cfg: Config, commit_fence: CommitFence | None = None) -> int:
     """Run one worker to completion inside the current torch elastic world."""
     _setup_torch(cfg.job)
-    stop = _StopFlag()
-    stop.install()
-    ctx = init_distributed(cfg.distributed)
-    try:
-        worker = Worker(cfg, ctx, commit_fence)
-        worker.resume()
-        return worker.run(stop)
-    finally:
-        dist.destroy_process_group()
+    with _StopFlag() as stop:
+        ctx = init_distributed(cfg.distributed)
+        try:
+            worker = Worker(cfg, ctx, commit_fence)
+            worker.resume()
+            return worker.run(stop)
+        finally:
+            dist.destroy_process_group()
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -5,9 +5,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flaky_fs import register  # noqa: E402
+from flaky_fs import register
 
-from elastic.worker import main  # noqa: E402
+from elastic.worker import main
 
 if __name__ == "__main__":
     register()

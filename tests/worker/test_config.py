@@ -57,7 +57,7 @@ def test_bad_values_name_file_field_value(overrides: list[str], needle: str) -> 
 
 
 def test_malformed_override_is_explained() -> None:
-    with pytest.raises(ConfigError, match="section.key=value"):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(None, ["max_steps=3"], environ={})
 
 
@@ -73,7 +73,8 @@ def _run_worker(config: Path, *overrides: str) -> subprocess.CompletedProcess[st
         (["job.unknown_field=1"], "unknown field 'job.unknown_field'"),
         (["model.name=not_a_model"], "unknown model"),
         (["optimizer.min_lr=2", "optimizer.lr=1"], "must not exceed lr"),
-        (["data.source=cifar10", "data.path=/nonexistent/cifar"], "data.path = '/nonexistent/cifar'"),
+        (["data.source=cifar10", "data.path=/nonexistent/cifar"],
+         "data.path = '/nonexistent/cifar'"),
         (["checkpoint.url=s3:/bucket"], "malformed URL"),
     ],
     ids=["unknown-field", "unknown-model", "min-gt-max", "unreadable-data", "bad-url"],
