@@ -22,6 +22,8 @@ the newest, the error is logged, and the next interval tries again. After
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +44,7 @@ from elastic.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 CommitFence = Callable[[], None]
+_WRITER_NICENESS = 10
 
 
 @dataclass
@@ -72,7 +75,8 @@ class CheckpointManager:
         self.failures = 0
         self.last_good: int | None = None
         self.stager = Stager()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="elastic-ckpt")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="elastic-ckpt",
+                                            initializer=_lower_thread_priority)
         self._pending: Future[SaveOutcome] | None = None
 
     def save(self, step: int, state: dict[str, Any], block: bool = False) -> SaveOutcome | None:
@@ -235,6 +239,14 @@ class CheckpointManager:
                 "checkpoint.max_failures) and restart; training resumes from step "
                 f"{self.last_good}."
             )
+
+
+def _lower_thread_priority() -> None:
+    """Nice the writer thread (Linux: per thread) so training keeps the CPU it needs."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICENESS)
+    except (AttributeError, OSError) as exc:
+        logger.debug("Could not lower the checkpoint thread's priority: %s", exc)
 
 
 def _root_cause(exc: BaseException) -> str:
