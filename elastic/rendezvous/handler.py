@@ -21,6 +21,10 @@ request_timeout     seconds a request rides out an etcd outage; default 30
 store_timeout       seconds a blocking store read waits; default 300
 ==================  ==========================================================
 
+The handler is torch's DynamicRendezvousHandler with one fix (see
+:mod:`elastic.rendezvous.dynamic`): a node dropped from its round while alive
+rejoins instead of training on alone.
+
 The agent-hosted shared TCPStore is turned off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)
 unless the user set that variable: in torch 2.14 a node joining a running job
 hangs with it (the old rank 0 never republishes the store address for the new
@@ -43,6 +47,8 @@ from elastic import env
 
 if TYPE_CHECKING:
     from elastic.etcd_client import EtcdClient, EtcdOptions
+    from elastic.rendezvous.backend import EtcdRendezvousBackend
+    from elastic.rendezvous.store import EtcdStore
 
 # elastic.errors imports torch's rendezvous package, whose registry imports this
 # module: import it lazily to keep that cycle open.
@@ -95,7 +101,7 @@ def check_keep_alive(params: RendezvousParameters) -> None:
 
 def create_backend(
     params: RendezvousParameters, client: EtcdClient | None = None
-) -> tuple[object, object]:
+) -> tuple[EtcdRendezvousBackend, EtcdStore]:
     """Create the ``(backend, store)`` pair for a run, sharing one client and lease."""
     from elastic.etcd_client import EtcdClient
     from elastic.rendezvous.backend import EtcdRendezvousBackend
@@ -113,7 +119,7 @@ def create_backend(
 
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd-v3`` handler (the creator registered with torch)."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from elastic.rendezvous.dynamic import build_handler
 
     check_keep_alive(params)
     if os.environ.setdefault(env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1") != "1":
@@ -122,7 +128,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
             env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
         )
     backend, store = create_backend(params)
-    return create_handler(store, backend, params)  # type: ignore[arg-type]
+    backend.get_state()  # fail now, naming the endpoints, if etcd cannot be reached
+    return build_handler(store, backend, params)
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:

@@ -1,0 +1,94 @@
+"""etcd trouble: a cluster member killed, etcd restarted, etcd unreachable, bad options."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd_server import EtcdServer, free_port, start_cluster
+from tests.helpers import REPO, node_env, wait_until
+from tests.rendezvous.nodes import WORKER, Cluster
+
+pytestmark = pytest.mark.slow
+
+
+def test_member_killed_mid_rendezvous_fails_over(
+    cluster: Cluster, tmp_path: Path, run_id: str
+) -> None:
+    members = start_cluster(tmp_path / "cluster", 3)
+    try:
+        endpoints = ",".join(m.endpoint for m in members)
+        first = [cluster.start(n, endpoints, run_id, "3") for n in "ab"]
+        # a and b wait in the rendezvous, talking to the first member; kill it.
+        wait_until(lambda: all("Rendezvous'ing worker group" in n.output() for n in first), 60, "joins")
+        members[0].stop(signal.SIGKILL)
+        last = cluster.start("c", endpoints, run_id, "3")
+        formed = wait_until(lambda: len(cluster.formed(3)) == 3 and cluster.formed(3), 90, "3")
+        assert sorted(r["rank"] for r in formed) == [0, 1, 2]
+        cluster.stop()
+        for node in [*first, last]:
+            assert node.wait(60) == 0, cluster.logs()
+    finally:
+        for m in members:
+            m.stop(signal.SIGKILL)
+
+
+def test_agents_ride_out_an_etcd_restart(
+    cluster: Cluster, own_etcd: EtcdServer, run_id: str
+) -> None:
+    nodes = [cluster.start(n, own_etcd.endpoint, run_id, "2:3") for n in "ab"]
+    wait_until(lambda: len(cluster.formed(2)) == 2, 90, "2 ranks")
+    own_etcd.stop(signal.SIGKILL)
+    down_until = time.monotonic() + 3  # an outage of a few heartbeats
+    wait_until(lambda: time.monotonic() > down_until, 10, "the outage to last 3 s")
+    own_etcd.start().wait_ready()  # same data dir, same ports
+    nodes.append(cluster.start("c", own_etcd.endpoint, run_id, "2:3"))
+    formed = wait_until(lambda: len(cluster.formed(3)) == 3 and cluster.formed(3), 90, "3")
+    assert {r["node"] for r in formed} == {"a", "b", "c"}
+    cluster.stop()
+    for node in nodes:
+        assert node.wait(60) == 0, cluster.logs()
+
+
+def agent(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(REPO) / ".venv" / "bin" / "elastic-agent"), *args]
+        if (Path(REPO) / ".venv" / "bin" / "elastic-agent").exists()
+        else ["python", "-m", "agents.launch", *args],
+        capture_output=True, text=True, timeout=timeout, env=node_env(), cwd=REPO,
+    )  # fmt: skip
+
+
+def test_unreachable_etcd_is_one_clear_line(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = agent(
+        "--nnodes=1", f"--rdzv-endpoint={endpoint}", "--rdzv-id=x",
+        "--rdzv-conf=join_timeout=600", str(WORKER), str(tmp_path / "r"), str(tmp_path / "s"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert time.monotonic() - started < 60, "must fail long before the join timeout"
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert any(f"Could not reach etcd at {endpoint}" in line for line in errors), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--nnodes=3:1"], "min_nodes must be > 0 and <= max_nodes"),
+        (["--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2"], "split brain"),
+        (["--rdzv-endpoint=ftp://x:1"], "is malformed"),
+    ],
+)
+def test_bad_options_are_one_line_with_exit_2(args: list[str], needle: str) -> None:
+    base = ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=x"]
+    merged = {a.split("=", 1)[0]: a for a in base + args}
+    result = agent(*merged.values(), str(WORKER), "r", "s")
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
