@@ -66,9 +66,11 @@ class _StopFlag:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        logger.warning("Received %s; stopping after this step with a checkpoint.",
+        logger.warning("Received %s; stopping after this step with a checkpoint (send it "
+                       "again to stop at once).",
                        signal.Signals(signum).name)
         self.requested = True
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
 
 
 def init_distributed(cfg: DistributedConfig) -> DistContext:

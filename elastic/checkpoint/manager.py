@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,8 +75,6 @@ class CheckpointManager:
         self.failures = 0
         self.last_good: int | None = None
         self.stager = Stager()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="elastic-ckpt",
-                                            initializer=_lower_thread_priority)
         self._pending: Future[SaveOutcome] | None = None
 
     def save(self, step: int, state: dict[str, Any], block: bool = False) -> SaveOutcome | None:
@@ -92,7 +90,7 @@ class CheckpointManager:
         started = time.perf_counter()
         staged = self.stager.stage(state)
         blocking = time.perf_counter() - started
-        self._pending = self._executor.submit(self._write, step, staged, started, blocking)
+        self._pending = _in_daemon_thread(self._write, step, staged, started, blocking)
         if block or not self.cfg.async_save:
             return self.wait()
         return None
@@ -115,11 +113,8 @@ class CheckpointManager:
         return self._pending is not None and not self._pending.done()
 
     def close(self) -> None:
-        """Finish the save in flight and stop the background thread."""
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
+        """Finish the save in flight (raises like :meth:`wait`)."""
+        self.wait()
 
     def load_latest(
         self, make_state: Callable[[], dict[str, Any]]
@@ -239,6 +234,21 @@ class CheckpointManager:
                 "checkpoint.max_failures) and restart; training resumes from step "
                 f"{self.last_good}."
             )
+
+
+def _in_daemon_thread(fn: Callable[..., SaveOutcome], *args: Any) -> Future[SaveOutcome]:
+    """Run ``fn`` in a daemon thread: a save stuck on a dead peer never blocks process exit."""
+    future: Future[SaveOutcome] = Future()
+
+    def target() -> None:
+        _lower_thread_priority()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # hand everything to the waiter
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name="elastic-ckpt", daemon=True).start()
+    return future
 
 
 def _lower_thread_priority() -> None:
