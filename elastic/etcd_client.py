@@ -262,7 +262,10 @@ class EtcdClient:
             logger.debug("etcd %s failed (%s); trying the next endpoint", conn.endpoint, code)
             return True
         if self.options.user and "auth token" in (exc.details() or ""):
-            conn.metadata = None  # expired token: log in again on the next attempt
+            logger.info(
+                "etcd %s: the auth token was rejected (expired?); logging in again.", conn.endpoint
+            )
+            conn.metadata = None
             return True
         return False
 

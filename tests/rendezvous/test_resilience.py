@@ -24,7 +24,9 @@ def test_member_killed_mid_rendezvous_fails_over(
         endpoints = ",".join(m.endpoint for m in members)
         first = [cluster.start(n, endpoints, run_id, "3") for n in "ab"]
         # a and b wait in the rendezvous, talking to the first member; kill it.
-        wait_until(lambda: all("Rendezvous'ing worker group" in n.output() for n in first), 60, "joins")
+        wait_until(
+            lambda: all("Rendezvous'ing worker group" in n.output() for n in first), 60, "joins"
+        )
         members[0].stop(signal.SIGKILL)
         last = cluster.start("c", endpoints, run_id, "3")
         formed = wait_until(lambda: len(cluster.formed(3)) == 3 and cluster.formed(3), 90, "3")

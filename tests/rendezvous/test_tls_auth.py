@@ -1,0 +1,129 @@
+"""TLS (CA + client certificate) and user/password auth against a real etcd."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic.errors import EtcdConnectionError
+from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.etcd_server import EtcdServer, find_etcd
+from elastic.rendezvous.handler import create_backend
+from tests.helpers import wait_until
+from tests.rendezvous.tls import Certs, make_certs
+
+PASSWORD = "s3cret-pw"
+
+
+@dataclass
+class SecureEtcd:
+    server: EtcdServer
+    certs: Certs
+
+    def options(self, password: str = PASSWORD, **kw: object) -> EtcdOptions:
+        return EtcdOptions(
+            parse_endpoints(self.server.endpoint)[0],
+            ca_cert=str(self.certs.ca),
+            cert=str(self.certs.client_cert),
+            key=str(self.certs.client_key),
+            user="root",
+            password=password,
+            **kw,  # type: ignore[arg-type]
+        )
+
+
+def etcdctl(server: EtcdServer, certs: Certs, *args: str) -> None:
+    ctl = str(Path(find_etcd()).with_name("etcdctl"))
+    subprocess.run(
+        [ctl, f"--endpoints=https://{server.endpoint}", f"--cacert={certs.ca}",
+         f"--cert={certs.client_cert}", f"--key={certs.client_key}", *args],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd]:
+    base = tmp_path_factory.mktemp("tls")
+    certs = make_certs(base / "certs")
+    tls_flags = [
+        f"--cert-file={certs.server_cert}", f"--key-file={certs.server_key}",
+        f"--trusted-ca-file={certs.ca}", "--client-cert-auth", "--auth-token-ttl=2",
+    ]  # fmt: skip
+    server = EtcdServer(base / "data", extra=tls_flags, scheme="https").start()
+    try:
+        secure = SecureEtcd(server, certs)
+        wait_until(lambda: _ctl_ok(server, certs), 20, "TLS etcd to serve")
+        etcdctl(server, certs, "user", "add", "root", f"--new-user-password={PASSWORD}")
+        etcdctl(server, certs, "user", "grant-role", "root", "root")
+        etcdctl(server, certs, "auth", "enable")
+        yield secure
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def _ctl_ok(server: EtcdServer, certs: Certs) -> bool:
+    try:
+        etcdctl(server, certs, "endpoint", "health")
+    except subprocess.CalledProcessError:
+        return False
+    return True
+
+
+def test_tls_and_password_work(secure_etcd: SecureEtcd) -> None:
+    with EtcdClient(secure_etcd.options()) as client:
+        client.put(b"/tls/k", b"v")
+        assert client.range(b"/tls/k").kvs[0].value == b"v"
+
+
+def test_wrong_password_is_refused_clearly(secure_etcd: SecureEtcd) -> None:
+    with (
+        EtcdClient(secure_etcd.options(password="wrong")) as client,
+        pytest.raises(EtcdConnectionError, match=r"refused the login of user 'root'") as info,
+    ):
+        client.range(b"/tls/k")
+    assert "check the user name and password" in str(info.value)
+
+
+def test_missing_client_certificate_fails_naming_the_endpoint(secure_etcd: SecureEtcd) -> None:
+    opts = EtcdOptions(
+        parse_endpoints(secure_etcd.server.endpoint)[0], ca_cert=str(secure_etcd.certs.ca),
+        user="root", password=PASSWORD, connect_timeout=1,
+    )  # fmt: skip
+    with EtcdClient(opts) as client, pytest.raises(EtcdConnectionError) as info:
+        client.range(b"/tls/k")
+    assert f"Could not reach etcd at {secure_etcd.server.endpoint}" in str(info.value)
+
+
+def test_expired_auth_token_is_renewed(
+    secure_etcd: SecureEtcd, caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+
+    caplog.set_level("INFO", logger="elastic.etcd_client")
+    with EtcdClient(secure_etcd.options()) as client:
+        client.put(b"/tls/t", b"1")
+        later = time.monotonic() + 3.5  # the server's --auth-token-ttl is 2 s
+        wait_until(lambda: time.monotonic() > later, 10, "the auth token to expire")
+        client.put(b"/tls/t", b"2")
+        assert client.range(b"/tls/t").kvs[0].value == b"2"
+    assert "auth token was rejected" in caplog.text
+
+
+def test_rendezvous_backend_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: str) -> None:
+    c = secure_etcd.certs
+    params = RendezvousParameters(
+        "etcd-v3", f"https://{secure_etcd.server.endpoint}", run_id, 1, 1,
+        cacert=str(c.ca), cert=str(c.client_cert), key=str(c.client_key),
+        user="root", password=PASSWORD,
+    )  # fmt: skip
+    backend, store = create_backend(params)
+    _, token, ok = backend.set_state(b"state")  # type: ignore[misc]
+    assert ok and backend.get_state() == (b"state", token)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
