@@ -53,7 +53,12 @@ class Demo:
             f"job.run_id={self.run_id}", f"job.max_steps={self.max_steps}",
             f"checkpoint.url={self.run_dir / 'checkpoints'}", "checkpoint.interval=5",
         ]  # fmt: skip
-        environ = {**os.environ, env.EVENT_LOG: str(self.event_log), "OMP_NUM_THREADS": "1"}
+        environ = {
+            **os.environ,
+            env.EVENT_LOG: str(self.event_log),
+            "OMP_NUM_THREADS": "1",
+            "LOGLEVEL": os.environ.get("LOGLEVEL", "INFO"),
+        }
         with open(self.run_dir / f"{name}.log", "wb") as log:
             self.agents[name] = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True
