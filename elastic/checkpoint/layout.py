@@ -58,6 +58,7 @@ def step_url(url: str, run_id: str, step: int) -> str:
 def list_steps(url: str, run_id: str) -> list[int]:
     """Return every step that has a directory, newest first (complete or not)."""
     fs, root = filesystem(run_url(url, run_id))
+    fs.invalidate_cache(root)  # s3fs & co. cache listings; other ranks/processes write here
     try:
         entries = fs.ls(root, detail=False)
     except FileNotFoundError:
@@ -142,13 +143,13 @@ def purge(url: str, run_id: str, keep_last: int, protect: int | None = None) -> 
     doomed = [s for s in steps
               if s not in keep and (newest_kept is None or s < newest_kept)]
     for step in doomed:
-        fs, root = filesystem(step_url(url, run_id, step))
-        _remove_marker_first(fs, root)
+        remove_step(step_url(url, run_id, step))
     return doomed
 
 
-def _remove_marker_first(fs: fsspec.AbstractFileSystem, root: str) -> None:
-    """Delete the marker before the shards, so a half-deleted step reads as partial."""
+def remove_step(url: str) -> None:
+    """Delete a step directory, marker first, so a half-deleted step reads as partial."""
+    fs, root = filesystem(url)
     with contextlib.suppress(FileNotFoundError):
         fs.rm(f"{root}/{COMMIT_MARKER}")
     with contextlib.suppress(FileNotFoundError):
@@ -162,6 +163,7 @@ __all__ = [
     "inspect_step",
     "list_steps",
     "purge",
+    "remove_step",
     "run_url",
     "step_url",
     "write_commit",

@@ -35,7 +35,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import events
-from elastic.checkpoint.layout import find_latest_complete, purge, step_url, write_commit
+from elastic.checkpoint.layout import (
+    find_latest_complete,
+    purge,
+    remove_step,
+    step_url,
+    write_commit,
+)
 from elastic.checkpoint.stager import Stager
 from elastic.checkpoint.storage import HashingWriter, make_reader
 from elastic.config import CheckpointConfig
@@ -162,6 +168,7 @@ class CheckpointManager:
                blocking: float) -> SaveOutcome:
         url = step_url(self.cfg.url, self.run_id, step)
         local: dict[str, Any] = {"ok": True, "error": "", "files": {}}
+        self._clear_leftovers(url)
         try:
             writer = HashingWriter(url)
             dcp.save(staged, storage_writer=writer, process_group=self.group)
@@ -172,6 +179,16 @@ class CheckpointManager:
         outcome.blocking_s = blocking
         outcome.durable_s = time.perf_counter() - started
         return outcome
+
+    def _clear_leftovers(self, url: str) -> None:
+        """Remove what an earlier, failed attempt left at this step; all ranks then wait."""
+        if self.rank == 0:
+            try:
+                remove_step(url)
+            except Exception as exc:  # leftovers are harmless: the new marker lists new files
+                logger.warning("Could not clear leftovers at %s: %s", url, exc)
+        if self.distributed:
+            dist.barrier(group=self.group)
 
     def _gather(self, local: dict[str, Any]) -> list[dict[str, Any]]:
         if not self.distributed:

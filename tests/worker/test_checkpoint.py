@@ -145,3 +145,13 @@ def test_failing_storage_keeps_previous_and_stops_after_max(
         manager.save(3, _state(3.0), block=True)
     marker = json.loads((tmp_path / "ckpt" / RUN / "step-1" / COMMIT_MARKER).read_text())
     assert marker["step"] == 1 and step_url(url, RUN, 1).endswith("/r/step-1")
+
+
+def test_leftovers_of_a_failed_attempt_are_replaced(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    leftover = tmp_path / "ckpt" / RUN / "step-2"
+    leftover.mkdir(parents=True)
+    (leftover / "__7_0.distcp").write_bytes(b"from a crashed 8-rank attempt")
+    assert _manager(url).save(2, _state(2.0), block=True).ok
+    assert not (leftover / "__7_0.distcp").exists()
+    assert find_latest_complete(url, RUN).step == 2
