@@ -158,6 +158,10 @@ class Worker:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint, if any, into this (possibly resized) world."""
+        restarts = int(os.environ.get(env.RESTART_COUNT, "0"))
+        if self.ctx.rank == 0:
+            logger.info("Worker start: world size %d, torch elastic restart %d, run %s.",
+                        self.ctx.world_size, restarts, self.cfg.job.run_id)
         if not self.cfg.checkpoint.enabled:
             return
         loaded = self.checkpoints.load_latest(self.state_dict)
