@@ -9,7 +9,7 @@ Layout::
 
 A step is *complete* only when ``COMMIT.json`` exists, parses, and every file it
 lists exists with the recorded size (and, with ``verify="full"``, the recorded
-SHA-256). Anything else (no marker, a truncated or corrupt shard) is partial
+CRC-32). Anything else (no marker, a truncated or corrupt shard) is partial
 and is never loaded.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import fsspec
 
-from elastic.checkpoint.storage import filesystem, join, sha256_of, write_durably
+from elastic.checkpoint.storage import crc32_of, filesystem, join, write_durably
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _check_file(fs: fsspec.AbstractFileSystem, path: str, expected: dict[str, An
         return "missing"
     if size != expected["size"]:
         return f"size {size} bytes, expected {expected['size']} (truncated or overwritten)"
-    if verify == "full" and sha256_of(fs, path) != expected["sha256"]:
+    if verify == "full" and crc32_of(fs, path) != expected.get("crc32"):
         return "checksum mismatch (corrupt)"
     return ""
 

@@ -4,8 +4,10 @@ torch 2.14 keeps ``FsspecWriter`` and ``FsspecReader`` in the private module
 ``torch.distributed.checkpoint._fsspec_filesystem``; if it moves, only this
 module changes. :class:`HashingWriter` adds two things to torch's writer:
 
-* every byte written is hashed (SHA-256) on the way out, so the commit marker
-  can record checksums without reading the checkpoint back;
+* every byte written is checksummed (zlib CRC-32, about 6x cheaper
+  than SHA-256 on this class of CPU and GIL-free) on the way out, so the commit
+  marker records checksums without reading the checkpoint back. The checksum
+  guards against torn, truncated and bit-flipped files, not against tampering;
 * streams are flushed and (where the stream has a file descriptor) fsynced
   before close. torch issue #144752: fsspec streams have no ``fileno`` on remote
   stores, so torch's own fsync is skipped with a warning there; remote stores
@@ -17,11 +19,11 @@ module changes. :class:`HashingWriter` adds two things to torch's writer:
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import threading
 import warnings
+import zlib
 from collections.abc import Generator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -38,13 +40,13 @@ class _HashingStream:
 
     def __init__(self, raw: Any, record: dict[str, Any]) -> None:
         self._raw = raw
-        self._hash = hashlib.sha256()
+        self._crc = 0
         self._record = record
         self._size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
+        self._crc = zlib.crc32(view, self._crc)
         self._size += view.nbytes
         return self._raw.write(data)
 
@@ -60,14 +62,14 @@ class _HashingStream:
 
     def seal(self) -> None:
         """Record the size and digest of everything written so far."""
-        self._record.update(size=self._size, sha256=self._hash.hexdigest())
+        self._record.update(size=self._size, crc32=f"{self._crc:08x}")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
 
 
 class HashingWriter(FsspecWriter):
-    """torch's ``FsspecWriter`` that records a SHA-256 and size per file it writes."""
+    """torch's ``FsspecWriter`` that records a CRC-32 and size per file it writes."""
 
     def __init__(self, path: str, **kwargs: Any) -> None:
         super().__init__(path, sync_files=True, **kwargs)
@@ -121,13 +123,13 @@ def write_durably(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None
                 os.fsync(fileno())
 
 
-def sha256_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) -> str:
-    """Hash a stored file by streaming it."""
-    digest = hashlib.sha256()
+def crc32_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) -> str:
+    """Checksum a stored file by streaming it (same format as the writer records)."""
+    crc = 0
     with fs.open(path, "rb") as f:
         while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
 
 
-__all__ = ["HashingWriter", "filesystem", "join", "make_reader", "sha256_of", "write_durably"]
+__all__ = ["HashingWriter", "crc32_of", "filesystem", "join", "make_reader", "write_durably"]
