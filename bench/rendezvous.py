@@ -1,0 +1,679 @@
+"""Time and count one rendezvous round: our ``etcd-v3`` backend vs torch's ``c10d``, one run.
+
+Method. For each node count N (``--nodes``, default 8,32,128) and each repeat,
+both backends run one fresh rendezvous (a new run id) with the same settings:
+``min_nodes = max_nodes = N`` (the round completes as soon as the N-th node
+joins), the same join/close/heartbeat timeouts and keep-alive settings, and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for both (no agent-hosted TCPStore).
+Each simulated node is a thread with its *own* handler and its own client,
+as separate agent processes would have: an ``EtcdClient`` (gRPC channel) per
+node for etcd-v3, a ``TCPStore`` client per node for c10d (the store server
+is hosted in-process on an OS-assigned port). Before the clock starts every
+node has reached its backend once (as ``create_rdzv_handler`` does); then a
+barrier releases all ``next_rendezvous()`` calls together and the round's
+time runs until the last one returns. That includes torch's deliberate waits:
+a 0-0.3 s random jitter before the first join and a fixed 1 s ``_delay``
+before each poll of a node that must wait (a SYNC action), as well as the
+bootstrap ``MASTER_ADDR``/``MASTER_PORT`` exchange through the store.
+
+Counting. ``EtcdClient.requests`` counts every etcd round trip (backend reads,
+compare-and-set transactions, lease grants, store reads/writes and watches).
+``dynamic_rendezvous._delay`` is wrapped to count, per node, the SYNC waits;
+each is followed by one deliberate poll, so a node's *excess* is its requests
+minus its SYNC waits. Goal "no retry storm": every node's excess is at most
+N + 10 (a node may lose a compare-and-set race to each of the others once).
+Goal "speed": etcd-v3's median round time is at most 1.2x c10d's. For c10d the
+backend's TCPStore calls are counted (the store bootstrap ops are not: two
+gets per node plus two sets on rank 0). Backend ``set_state`` calls that lost
+the compare-and-set race are reported as ``cas_conflicts``; ``complete_at_s``
+is when the state was first written complete (the rest of the round is the
+waiting nodes' 1 s polls); ``process_cpu_s`` / ``etcd_server_cpu_s`` are the CPU
+seconds this process and the etcd server spent during the round.
+
+Evidence beside the rounds: ``request_latency_ms`` (one thread, no contention:
+a get and a compare-and-set on each backend), ``etcd_disk`` (WAL fsync and
+commit counts and mean durations from etcd's ``/metrics``), and two optional
+etcd-v3 variants that are not goals: ``--etcd-no-fsync`` (an etcd started with
+``--unsafe-no-fsync``) and ``--pregrant-lease`` (each node's lease granted
+before the round instead of inside its first compare-and-set).
+
+Caveat: the nodes share one Python interpreter (GIL) on whatever cores the
+machine has, so client-side CPU (gRPC and protobuf calls, pickling the state)
+is serialized across all N nodes; separate processes would overlap it. The
+worst such cost is torch's own: every state sync records an event whose name
+comes from ``get_method_name()``, two ``inspect.stack()`` calls (~1-3 ms),
+paid even with events off. With it, 128 threads on 2 cores livelock for both
+backends (heartbeat writes outpace the successful compare-and-sets and live
+nodes are dropped as dead). The bench therefore replaces it, for both
+backends, with a frame lookup; ``--torch-method-names`` keeps torch's.
+
+Usage: ``python bench/rendezvous.py [--nodes 8,32,128] [--repeats K] [--json-out PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Set before torch can start a shared TCPStore; our handler sets it too.
+os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+    create_backend as create_c10d_backend,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+from elastic.etcd_client import EtcdClient
+from elastic.etcd_server import EtcdServer, find_etcd, start_etcd
+from elastic.rendezvous.dynamic import build_handler
+from elastic.rendezvous.handler import create_backend as create_etcd_backend
+
+RDZV_CONF: dict[str, Any] = {  # --join-timeout and --keep-alive-interval change it
+    "join_timeout": 120,
+    "last_call_timeout": 1,
+    "close_timeout": 30,
+    "heartbeat_timeout": 30,
+    "keep_alive_interval": 5,
+    "keep_alive_max_attempt": 3,
+}
+SLOW_ROUND_S = 30.0
+
+
+# -- deliberate waits --------------------------------------------------------
+
+
+@dataclass
+class Waits:
+    """Deliberate waits of one thread: SYNC polls (1 s) and the first-join jitter."""
+
+    sync_calls: int = 0
+    sync_s: float = 0.0
+    jitter_s: float = 0.0
+
+
+class DelayCounter:
+    """Wraps ``dynamic_rendezvous._delay`` and records each call per thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_thread: dict[int, Waits] = {}
+        self._original: Callable[..., None] = dyn._delay
+
+    def reset(self) -> None:
+        with self._lock:
+            self._by_thread.clear()
+
+    def of(self, ident: int) -> Waits:
+        with self._lock:
+            return self._by_thread.setdefault(ident, Waits())
+
+    def _delay(self, seconds: float | tuple[float, float]) -> None:
+        started = time.monotonic()
+        self._original(seconds)
+        slept = time.monotonic() - started
+        waits = self.of(threading.get_ident())
+        if isinstance(seconds, tuple):
+            waits.jitter_s += slept
+        else:
+            waits.sync_calls += 1
+            waits.sync_s += slept
+
+    @contextmanager
+    def installed(self) -> Iterator[DelayCounter]:
+        dyn._delay = self._delay  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            dyn._delay = self._original  # type: ignore[assignment]
+
+
+# -- nodes -------------------------------------------------------------------
+
+
+@dataclass
+class NodeStats:
+    """What one node's backend did during the round."""
+
+    gets: int = 0
+    sets: int = 0
+    cas_conflicts: int = 0
+    backend_s: float = 0.0
+    backend_requests: int = 0
+    c10d_store_calls: int = 0
+
+
+@dataclass
+class Node:
+    """One simulated agent: a handler, its backend, and how to read its request count."""
+
+    handler: RendezvousHandler
+    backend: RendezvousBackend
+    requests: Callable[[], int]
+    close: Callable[[], None]
+    stats: NodeStats = field(default_factory=NodeStats)
+
+
+@dataclass
+class RoundClock:
+    """The instant the shared state was first written as complete."""
+
+    completed_at: float | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def mark(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if self.completed_at is None or now < self.completed_at:
+                self.completed_at = now
+
+
+def instrument(node: Node, clock: RoundClock) -> None:
+    """Wrap the backend's get/set_state to count calls, lost races and time spent."""
+    backend, stats = node.backend, node.stats
+    get_state, set_state = backend.get_state, backend.set_state
+
+    def account(started: float, requests: int) -> None:
+        stats.backend_s += time.monotonic() - started
+        stats.backend_requests += node.requests() - requests
+
+    def timed_get() -> Any:
+        started, requests = time.monotonic(), node.requests()
+        try:
+            return get_state()
+        finally:
+            stats.gets += 1
+            account(started, requests)
+
+    def timed_set(state: bytes, token: Any = None) -> Any:
+        started, requests = time.monotonic(), node.requests()
+        try:
+            result = set_state(state, token)
+        finally:
+            stats.sets += 1
+            account(started, requests)
+        if result is not None and not result[2]:
+            stats.cas_conflicts += 1
+        elif result is not None and pickle.loads(state).complete:
+            clock.mark()
+        return result
+
+    backend.get_state = timed_get  # type: ignore[method-assign]
+    backend.set_state = timed_set  # type: ignore[method-assign]
+
+
+def params_for(backend: str, endpoint: str, run_id: str, n: int, **extra: Any) -> Any:
+    """The same rendezvous settings for both backends."""
+    return RendezvousParameters(
+        backend=backend,
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=n,
+        max_nodes=n,
+        local_addr="127.0.0.1",
+        **RDZV_CONF,
+        **extra,
+    )
+
+
+def etcd_node(endpoint: str, run_id: str, n: int, pregrant: bool = False) -> Node:
+    """A node with its own EtcdClient; reaches etcd once, as create_rdzv_handler does.
+
+    ``pregrant`` (an experiment, not our code's behaviour) also grants the node's
+    lease before the round, so the first compare-and-set is not preceded by a grant.
+    """
+    params = params_for("etcd-v3", endpoint, run_id, n, store_timeout=RDZV_CONF["join_timeout"])
+    backend, store = create_etcd_backend(params)
+    client: EtcdClient = backend._client
+    backend.get_state()
+    if pregrant:
+        backend._lease.id()
+    return Node(
+        handler=build_handler(store, backend, params),
+        backend=backend,
+        requests=lambda: client.requests,
+        close=client.close,
+    )
+
+
+def c10d_host(run_id: str) -> tuple[dist.Store, int]:
+    """Host the TCPStore in-process on an OS-assigned port; return it and the port."""
+    params = params_for("c10d", "127.0.0.1:0", run_id, 1, is_host=True)
+    _, store = create_c10d_backend(params)
+    return store, store.port  # type: ignore[attr-defined]
+
+
+def c10d_node(port: int, run_id: str, n: int) -> Node:
+    """A node with its own TCPStore client; counts the backend's store calls."""
+    params = params_for(
+        "c10d",
+        f"127.0.0.1:{port}",
+        run_id,
+        n,
+        is_host=False,
+        read_timeout=RDZV_CONF["join_timeout"],
+    )
+    backend, store = create_c10d_backend(params)
+    stats = NodeStats()
+    call_store = backend._call_store
+
+    def counted(op: str, *args: Any, **kwargs: Any) -> Any:
+        stats.c10d_store_calls += 1
+        return call_store(op, *args, **kwargs)
+
+    backend._call_store = counted  # type: ignore[method-assign]
+    return Node(
+        handler=dyn.create_handler(store, backend, params),
+        backend=backend,
+        requests=lambda: stats.c10d_store_calls,
+        close=lambda: None,
+        stats=stats,
+    )
+
+
+# -- one round ---------------------------------------------------------------
+
+
+@dataclass
+class NodeResult:
+    """What one node's ``next_rendezvous`` returned and cost."""
+
+    started: float = 0.0
+    finished: float = 0.0
+    rank: int = -1
+    world_size: int = -1
+    requests: int = 0
+    waits: Waits = field(default_factory=Waits)
+    error: str | None = None
+
+
+def run_node(node: Node, barrier: threading.Barrier, delays: DelayCounter) -> NodeResult:
+    """Join the round when the barrier opens; stop this node's heartbeats afterwards."""
+    result = NodeResult()
+    before = node.requests()
+    barrier.wait()
+    result.started = time.monotonic()
+    try:
+        info = node.handler.next_rendezvous()
+        result.rank, result.world_size = info.rank, info.world_size
+    except Exception as exc:  # reported in the JSON, not raised
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.finished = time.monotonic()
+    node.handler._stop_heartbeats()  # type: ignore[attr-defined]
+    result.requests = node.requests() - before
+    result.waits = delays.of(threading.get_ident())
+    return result
+
+
+def run_round(nodes: list[Node], delays: DelayCounter) -> list[NodeResult]:
+    """Release every node's ``next_rendezvous`` together; wait for all of them."""
+    delays.reset()
+    barrier = threading.Barrier(len(nodes))
+    results: list[NodeResult] = [NodeResult() for _ in nodes]
+
+    def target(i: int) -> None:
+        results[i] = run_node(nodes[i], barrier, delays)
+
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(len(nodes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(RDZV_CONF["join_timeout"] + 60)
+    return results
+
+
+def close_round(nodes: list[Node]) -> None:
+    """Close the rendezvous once (heartbeats are already stopped), then the clients."""
+    if nodes:
+        nodes[0].handler.shutdown()
+    for node in nodes:
+        node.close()
+
+
+def summarize(
+    backend: str, nodes: list[Node], results: list[NodeResult], clock: RoundClock
+) -> dict[str, Any]:
+    """One JSON row for one backend, node count and repeat."""
+    n = len(nodes)
+    start = min(r.started for r in results)
+    seconds = max(r.finished for r in results) - start
+    excess = [r.requests - r.waits.sync_calls for r in results]
+    stats = [node.stats for node in nodes]
+    calls = sum(s.gets + s.sets for s in stats)
+    errors = sorted({r.error for r in results if r.error})
+    completed = clock.completed_at
+    ranks_ok = sorted(r.rank for r in results) == list(range(n)) and all(
+        r.world_size == n for r in results
+    )
+    return {
+        "nodes": n,
+        "backend": backend,
+        "seconds": round(seconds, 3),
+        "complete_at_s": None if completed is None else round(completed - start, 3),
+        "first_return_s": round(min(r.finished for r in results) - start, 3),
+        "requests": sum(r.requests for r in results),
+        "requests_per_node": round(sum(r.requests for r in results) / n, 2),
+        "max_node_requests": max(r.requests for r in results),
+        "delay_calls": sum(r.waits.sync_calls for r in results),
+        "max_node_delay_calls": max(r.waits.sync_calls for r in results),
+        "mean_jitter_s": round(statistics.fmean(r.waits.jitter_s for r in results), 3),
+        "requests_beyond_waits": sum(excess),
+        "max_node_requests_beyond_waits": max(excess),
+        "backend_requests": sum(s.backend_requests for s in stats),
+        "store_requests": sum(r.requests for r in results) - sum(s.backend_requests for s in stats),
+        "backend_gets": sum(s.gets for s in stats),
+        "backend_sets": sum(s.sets for s in stats),
+        "cas_conflicts": sum(s.cas_conflicts for s in stats),
+        "mean_backend_call_ms": round(1000 * sum(s.backend_s for s in stats) / max(calls, 1), 2),
+        "ok": ranks_ok and not errors,
+        "errors": errors,
+        **(
+            {"slow": "over 30 s: 2 cores and one GIL for all threads"}
+            if seconds > SLOW_ROUND_S
+            else {}
+        ),
+    }
+
+
+def proc_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process (this one when ``pid`` is None)."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    backend: str, n: int, make: Callable[[str], list[Node]], server_pid: int | None = None
+) -> dict[str, Any]:
+    """Build N nodes on a fresh run id, run one round, summarize, clean up.
+
+    Also reports the CPU seconds this process (all nodes' client work, and the
+    TCPStore server for c10d) and the etcd server spent during the round.
+    """
+    run_id = f"bench-{backend}-{n}-{uuid.uuid4().hex[:8]}"
+    nodes = make(run_id)
+    clock = RoundClock()
+    for node in nodes:
+        instrument(node, clock)
+    cpu = proc_cpu_s(None), proc_cpu_s(server_pid) if server_pid else 0.0
+    with DelayCounter().installed() as delays:
+        results = run_round(nodes, delays)
+    row = summarize(backend, nodes, results, clock)
+    row["process_cpu_s"] = round(proc_cpu_s(None) - cpu[0], 3)
+    if server_pid:
+        row["etcd_server_cpu_s"] = round(proc_cpu_s(server_pid) - cpu[1], 3)
+    close_round(nodes)
+    return row
+
+
+def measure_c10d(n: int) -> dict[str, Any]:
+    """One c10d round, with a store host that outlives the clients."""
+    host, port = c10d_host(f"host-{uuid.uuid4().hex[:8]}")
+    row = measure("c10d", n, lambda run_id: [c10d_node(port, run_id, n) for _ in range(n)])
+    del host  # the server goes only after every client is done
+    return row
+
+
+def measure_etcd(
+    n: int, server: EtcdServer, label: str = "etcd-v3", pregrant: bool = False
+) -> dict[str, Any]:
+    endpoint, pid = server.endpoint, server.proc.pid if server.proc else None
+    return measure(
+        label, n, lambda run_id: [etcd_node(endpoint, run_id, n, pregrant) for _ in range(n)], pid
+    )
+
+
+# -- evidence: per-request latency and etcd's disk metrics -------------------
+
+
+def time_ops(op: Callable[[], Any], count: int) -> float:
+    """Mean milliseconds of ``op`` run ``count`` times in one thread."""
+    op()
+    started = time.perf_counter()
+    for _ in range(count):
+        op()
+    return round(1000 * (time.perf_counter() - started) / count, 3)
+
+
+def request_latency(endpoint: str, count: int) -> dict[str, float]:
+    """One thread, no contention: what one get / compare-and-set costs on each backend."""
+    state = os.urandom(4096)
+    etcd, _ = create_etcd_backend(params_for("etcd-v3", endpoint, f"lat-{uuid.uuid4()}", 1))
+    host, port = c10d_host(f"lat-{uuid.uuid4().hex[:8]}")
+    c10d, _ = create_c10d_backend(
+        params_for("c10d", f"127.0.0.1:{port}", f"lat-{uuid.uuid4()}", 1, is_host=False)
+    )
+    result = {
+        "etcd_get_ms": time_ops(etcd.get_state, count),
+        "etcd_cas_won_ms": time_ops(CasWinner(etcd, state), count),
+        "etcd_cas_lost_ms": time_ops(lambda: etcd.set_state(state, 1), count),
+        "c10d_get_ms": time_ops(c10d.get_state, count),
+        "c10d_cas_won_ms": time_ops(CasWinner(c10d, state), count),
+    }
+    etcd._client.close()
+    del host
+    return result
+
+
+class CasWinner:
+    """Calls ``set_state`` with the token of its own last write, so every call wins."""
+
+    def __init__(self, backend: RendezvousBackend, state: bytes) -> None:
+        self._backend, self._state = backend, state
+        self._token: Any = None
+
+    def __call__(self) -> None:
+        result = self._backend.set_state(self._state, self._token)
+        if result is None or not result[2]:
+            raise RuntimeError("a lone compare-and-set lost its race")
+        self._token = result[1]
+
+
+def etcd_disk_metrics(endpoint: str) -> dict[str, float]:
+    """WAL fsync and backend commit counts and mean durations from etcd's /metrics."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(("etcd_disk_wal_fsync", "etcd_disk_backend_commit")) and (
+            name.endswith(("_sum", "_count"))
+        ):
+            values[name] = float(value)
+    out: dict[str, float] = {}
+    for metric in ("wal_fsync", "backend_commit"):
+        count = values.get(f"etcd_disk_{metric}_duration_seconds_count", 0.0)
+        total = values.get(f"etcd_disk_{metric}_duration_seconds_sum", 0.0)
+        out[f"{metric}_count"] = count
+        out[f"{metric}_mean_ms"] = round(1000 * total / count, 3) if count else 0.0
+    return out
+
+
+# -- driver ------------------------------------------------------------------
+
+
+def median_rows(rows: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
+    """Per (nodes, backend): median seconds and requests, worst per-node excess."""
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["nodes"], row["backend"]), []).append(row)
+    return {
+        key: {
+            "seconds": statistics.median(r["seconds"] for r in group),
+            "requests": statistics.median(r["requests"] for r in group),
+            "max_node_requests_beyond_waits": max(
+                r["max_node_requests_beyond_waits"] for r in group
+            ),
+            "ok": all(r["ok"] for r in group),
+        }
+        for key, group in groups.items()
+    }
+
+
+def goals(rows: list[dict[str, Any]], counts: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ratio etcd-v3/c10d per N and the pass/fail of both goals."""
+    med = median_rows(rows)
+    ratio: dict[str, Any] = {}
+    verdict: dict[str, Any] = {}
+    for n in counts:
+        etcd, c10d = med[(n, "etcd-v3")], med[(n, "c10d")]
+        ratio[str(n)] = round(etcd["seconds"] / c10d["seconds"], 3) if c10d["seconds"] else None
+        verdict[str(n)] = {
+            "rounds_ok": etcd["ok"] and c10d["ok"],
+            "no_retry_storm": etcd["max_node_requests_beyond_waits"] <= n + 10,
+            "requests_limit_per_node": n + 10,
+            "time_within_1.2x_c10d": ratio[str(n)] is not None and ratio[str(n)] <= 1.2,
+        }
+    verdict["all"] = all(
+        all(v for k, v in g.items() if k != "requests_limit_per_node") for g in verdict.values()
+    )
+    return ratio, verdict
+
+
+def measure_repeat(
+    n: int, k: int, args: argparse.Namespace, server: EtcdServer, fast: EtcdServer | None
+) -> list[dict[str, Any]]:
+    """Both backends (order alternating by repeat), then the optional etcd-v3 variants."""
+    pair: list[Callable[[], dict[str, Any]]] = [
+        lambda: measure_etcd(n, server),
+        lambda: measure_c10d(n),
+    ]
+    rows = [fn() for fn in (pair if k % 2 == 0 else pair[::-1])]
+    if fast is not None:
+        rows.append(measure_etcd(n, fast, "etcd-v3-nofsync"))
+    if args.pregrant_lease:
+        rows.append(measure_etcd(n, server, "etcd-v3-pregrant-lease", pregrant=True))
+    return rows
+
+
+def run_all(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str, Any]:
+    server = start_etcd(tmp / "data")
+    fast: EtcdServer | None = None
+    try:
+        if args.etcd_no_fsync:
+            fast = start_etcd(tmp / "nofsync", extra=["--unsafe-no-fsync"])
+        rows = [
+            {**row, "repeat": k}
+            for n in counts
+            for k in range(args.repeats)
+            for row in measure_repeat(n, k, args, server, fast)
+        ]
+        disk = etcd_disk_metrics(server.endpoint)
+        latency = request_latency(server.endpoint, args.latency_ops)
+    finally:
+        server.stop()
+        if fast is not None:
+            fast.stop()
+    ratio, verdict = goals(rows, counts)
+    return {
+        "results": rows,
+        "ratio_etcd_over_c10d": ratio,
+        "goals": verdict,
+        "request_latency_ms": latency,
+        "etcd_disk": disk,
+    }
+
+
+def etcd_version() -> str:
+    out = subprocess.run([find_etcd(), "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.splitlines()[0].removeprefix("etcd Version: ") if out.stdout else "unknown"
+
+
+def environment() -> dict[str, Any]:
+    from google.protobuf.internal import api_implementation
+
+    return {
+        "etcd_version": etcd_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "protobuf_impl": api_implementation.Type(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg()[0],
+        "settings": {"min_nodes": "N", "max_nodes": "N", **RDZV_CONF},
+        "cheap_method_names": dyn.get_method_name.__module__ == __name__,
+    }
+
+
+def cheap_method_names() -> None:
+    """Replace torch's ``get_method_name`` (two ``inspect.stack()`` per event, ~1-3 ms of
+    CPU, paid on every state sync even with events off) by a frame lookup, for both."""
+    import sys
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:
+            return "no_method_name"
+
+    dyn.get_method_name = get_method_name
+
+
+def configure(args: argparse.Namespace) -> None:
+    """Apply the command line's settings, identical for both backends."""
+    RDZV_CONF["join_timeout"] = args.join_timeout
+    RDZV_CONF["keep_alive_interval"] = args.keep_alive_interval
+    if not args.torch_method_names:
+        cheap_method_names()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="8,32,128", help="comma-separated node counts")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds per backend and N")
+    parser.add_argument("--latency-ops", type=int, default=100, help="ops per latency probe")
+    parser.add_argument(
+        "--etcd-no-fsync",
+        action="store_true",
+        help="also run etcd-v3 on an etcd with --unsafe-no-fsync (not a goal)",
+    )
+    parser.add_argument(
+        "--pregrant-lease",
+        action="store_true",
+        help="also run etcd-v3 with each lease granted before the round (not a goal)",
+    )
+    parser.add_argument("--join-timeout", type=int, default=120, help="seconds, both backends")
+    parser.add_argument("--keep-alive-interval", type=int, default=5, help="seconds, both")
+    parser.add_argument(
+        "--torch-method-names",
+        action="store_true",
+        help="keep torch's inspect.stack()-based event names (128 threads then livelock)",
+    )
+    parser.add_argument("--json-out", type=Path, help="also write the JSON here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    configure(args)
+    counts = [int(x) for x in args.nodes.split(",") if x.strip()]
+    started = time.monotonic()
+    report = environment()
+    with tempfile.TemporaryDirectory(prefix="rdzv-bench-") as tmp:
+        report.update(run_all(args, counts, Path(tmp)))
+    report["bench_seconds"] = round(time.monotonic() - started, 1)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
