@@ -139,11 +139,17 @@ class CheckpointManager:
         """
         chosen: list[Any] = [None]
         if self.rank == 0:
-            info = find_latest_complete(self.cfg.url, self.run_id, self.cfg.verify)
-            chosen = [None if info is None else info.step]
+            try:
+                info = find_latest_complete(self.cfg.url, self.run_id, self.cfg.verify)
+                chosen = [None if info is None else info.step]
+            except Exception as exc:  # tell the other ranks before failing
+                chosen = [f"{type(exc).__name__}: {exc}".splitlines()[0]]
         if self.distributed:
             dist.broadcast_object_list(chosen, src=_global_rank(self.group, 0), group=self.group)
         step = chosen[0]
+        if isinstance(step, str):
+            raise CheckpointError(f"Cannot list checkpoints under {self.cfg.url}: {step}. Check "
+                                  "the URL, credentials and that the storage is reachable.")
         if step is None:
             logger.info("No complete checkpoint under %s/%s; starting fresh.",
                         self.cfg.url, self.run_id)
@@ -155,8 +161,8 @@ class CheckpointManager:
             dcp.load(state, storage_reader=make_reader(url), process_group=self.group)
         except (Exception, CheckpointException) as exc:  # DCP wraps storage errors
             raise CheckpointError(f"Cannot load checkpoint {url}: {_root_cause(exc)}. Delete or "
-                                  "repair that "
-                                  "step directory to fall back to an older one.") from exc
+                                  "repair that step directory to fall back to an older one."
+                                  ) from exc
         seconds = time.perf_counter() - started
         self.last_good = step
         logger.info("Loaded checkpoint %s in %.2fs.", url, seconds)

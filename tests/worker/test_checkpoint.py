@@ -155,3 +155,11 @@ def test_leftovers_of_a_failed_attempt_are_replaced(tmp_path: Path) -> None:
     assert _manager(url).save(2, _state(2.0), block=True).ok
     assert not (leftover / "__7_0.distcp").exists()
     assert find_latest_complete(url, RUN).step == 2
+
+
+def test_unreachable_storage_on_resume_is_a_checkpoint_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    manager = _manager(str(blocker / "ckpt"))
+    with pytest.raises(CheckpointError, match="Cannot list checkpoints under"):
+        _load(manager)
