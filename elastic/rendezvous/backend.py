@@ -4,11 +4,16 @@ The token is the state key's ``mod_revision``. ``set_state`` is one etcd
 transaction: *if* the key was last modified at ``token`` (or, for a ``None``
 token, does not exist) *then* put the new state *else* read the current one.
 A lost race therefore costs one round trip and returns what the winner wrote.
+After a lost race the caller backs off for a short random time (growing with
+consecutive losses, capped at 50 ms): every attempt is a raft write, and
+without it a crowd of joining nodes feeds its own retries.
 """
 
 from __future__ import annotations
 
+import random
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -21,6 +26,8 @@ from elastic.rendezvous.lease import RunLease
 
 _MAGIC = b"EV3\x01"
 _HEADER = struct.Struct(">4sI")  # magic, crc32 of the payload
+_BACKOFF_BASE_S = 0.002
+_BACKOFF_CAP_S = 0.05
 
 
 def encode_state(state: bytes) -> bytes:
@@ -54,6 +61,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._client = client
         self._key = keys.state
         self._lease = lease
+        self._losses = 0
 
     @property
     def name(self) -> str:
@@ -81,8 +89,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
         put = op_put(self._key, encode_state(state), self._lease.id())
         response = self._client.txn([compare], [put], [op_get(self._key)])
         if response.succeeded:
+            self._losses = 0
             return state, response.header.revision, True
+        self._losses += 1
+        time.sleep(random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**self._losses)))
         return self._from_range(response.responses[0].response_range.kvs)
+
+    def wait_for_change(self, token: Token, timeout: float) -> bool:
+        """Block until the state changes after revision ``token`` (True) or ``timeout`` passes."""
+        revision = _as_revision(token)
+        if revision is None:
+            time.sleep(timeout)
+            return False
+        return self._client.wait_for_event(self._key, revision + 1, timeout)
 
     def _current(self) -> tuple[bytes, Token, bool] | None:
         return self._from_range(self._client.range(self._key).kvs)

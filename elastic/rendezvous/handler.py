@@ -113,6 +113,7 @@ def create_backend(
     keys = RunKeys(params.get("prefix", DEFAULT_PREFIX), params.run_id)
     lease = RunLease(client, params.get_as_int("ttl", DEFAULT_TTL_S) or DEFAULT_TTL_S)
     store_timeout = timedelta(seconds=params.get_as_int("store_timeout", 300) or 300)
+    lease.id()  # grant it now, not inside the first compare-and-set of a round
     backend = EtcdRendezvousBackend(client, keys, lease)
     return backend, EtcdStore(client, keys, lease, timeout=store_timeout)
 
@@ -127,8 +128,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
             "%s=0: the shared agent TCPStore is on; nodes joining a running job may hang.",
             env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
         )
-    backend, store = create_backend(params)
-    backend.get_state()  # fail now, naming the endpoints, if etcd cannot be reached
+    backend, store = create_backend(params)  # fails now, naming the endpoints, if unreachable
     return build_handler(store, backend, params)
 
 
