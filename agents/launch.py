@@ -21,12 +21,16 @@ EXIT_USAGE = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node's agent until its workers finish; return the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
+    from agents.agent import install
     from elastic.errors import ConfigError, ElasticError
+
+    install()
 
     parser = get_args_parser()
     parser.prog = "elastic-agent"
@@ -38,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{exc}; check the command-line options.", EXIT_USAGE)
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+    except SignalException as exc:
+        print(f"elastic-agent: left the job on {exc.sigval.name}.", file=sys.stderr)
+        return 0
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except (ElasticError, RendezvousError) as exc:

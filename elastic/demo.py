@@ -10,7 +10,6 @@ final loss. The event log (JSON lines), agent logs and checkpoints stay under
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from typing import Any
 from elastic import env, events
 from elastic.errors import ElasticError
 from elastic.etcd_server import start_etcd
+from elastic.procs import children, kill
 
 RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
@@ -102,33 +102,16 @@ class Demo:
     def kill_node(self, name: str) -> None:
         """kill -9 an agent and its workers (workers run in their own sessions)."""
         agent = self.agents[name]
-        workers = _children(agent.pid)
+        workers = children(agent.pid)
         for pid in [agent.pid, *workers]:
-            _kill(pid, signal.SIGKILL)
+            kill(pid, signal.SIGKILL)
         agent.wait()
 
     def cleanup(self) -> None:
         for proc in self.agents.values():
-            for pid in [proc.pid, *_children(proc.pid)]:
-                _kill(pid, signal.SIGKILL)
+            for pid in [proc.pid, *children(proc.pid)]:
+                kill(pid, signal.SIGKILL)
             proc.wait()
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _kill(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
 
 
 def run_demo(runs_dir: Path, run_id: str, config: Path) -> int:

@@ -1,0 +1,72 @@
+"""Our node agent: torch's LocalElasticAgent plus planned leave and re-form on request.
+
+Two additions, both small hooks into torch's agent:
+
+* **Re-form on request.** A worker that stops because a *peer* asked the group
+  to stop (a planned leave elsewhere) exits with :data:`REFORM_EXIT_CODE`. The
+  agent treats that as a change of membership, not a failure: it re-runs the
+  rendezvous without spending a restart.
+* **Planned leave.** On SIGTERM/SIGINT the agent lets torch stop its workers
+  (ours finish the current step and write a checkpoint with their peers), then
+  removes this node from the rendezvous at once instead of leaving the others
+  to wait for its heartbeats to expire.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from elastic import events
+from elastic.rendezvous.dynamic import EtcdRendezvousHandler
+
+logger = logging.getLogger(__name__)
+
+REFORM_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped for a membership change, start me again"
+
+
+class NodeAgent(LocalElasticAgent):
+    """LocalElasticAgent that re-forms on request and leaves the rendezvous when told to stop."""
+
+    def _handler(self) -> EtcdRendezvousHandler | None:
+        handler = self._worker_group.spec.rdzv_handler
+        return handler if isinstance(handler, EtcdRendezvousHandler) else None
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        handler = self._handler()
+        if handler is None or result.state != WorkerState.FAILED or not result.failures:
+            return result
+        if all(f.exitcode == REFORM_EXIT_CODE for f in result.failures.values()):
+            logger.info("Workers stopped for a membership change; re-forming the group.")
+            events.emit("worker.restart", reason="reform", run_id=handler.get_run_id())
+            handler.request_reform()
+            return RunResult(state=WorkerState.HEALTHY)
+        return result
+
+    def run(self, role: str = "default") -> Any:
+        try:
+            return super().run(role)
+        except SignalException as exc:
+            handler = self._handler()
+            if handler is not None:
+                logger.warning("Received %s: leaving the rendezvous.", exc.sigval)
+                try:
+                    handler.leave()
+                except Exception as leave_exc:  # the others will notice by heartbeat expiry
+                    logger.warning("Could not leave the rendezvous: %s", leave_exc)
+            raise
+
+
+def install() -> None:
+    """Make torch's launcher build :class:`NodeAgent` (``launch_agent`` looks the name up)."""
+    from torch.distributed.launcher import api as launcher_api
+
+    launcher_api.LocalElasticAgent = NodeAgent  # type: ignore[misc]
+
+
+__all__ = ["REFORM_EXIT_CODE", "NodeAgent", "install"]

@@ -1,0 +1,55 @@
+"""Process plumbing: find a process's children, kill by PID, die with the parent."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid`` (torch starts workers in their own sessions, so a
+    process group does not reach them)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``pid``; a process that is already gone is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent (the agent) dies.
+
+    Returns False where that is not available (not Linux). If the parent is
+    already gone when this runs, the process ends at once.
+    """
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return True
+
+
+__all__ = ["children", "die_with_parent", "kill"]
