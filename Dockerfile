@@ -1,0 +1,58 @@
+# syntax=docker/dockerfile:1
+# One image per node: elastic-agent (torchrun with the etcd-v3 rendezvous) + the CNN worker.
+#
+# CPU (default):
+#   docker build -t elastic-agent .
+# CUDA (NCCL comes with PyTorch's CUDA wheels; run with --gpus all / compose `gpus: all`):
+#   docker build -t elastic-agent:cuda \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+# Offline / air-gapped: put wheels in docker/wheelhouse/ and add --build-arg PIP_ARGS=--no-index
+# (docker/build-base.sh does this with the wheels pip already has on the machine).
+#
+# BASE_IMAGE needs python3 (>=3.10) with venv, or apt-get to install it (Debian/Ubuntu).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_ARGS=""
+ENV LANG=C.UTF-8 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+# Python with venv: present in python:* images and in docker/build-base.sh's base; installed
+# from the distribution on others (nvidia/cuda, plain debian/ubuntu).
+RUN if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then \
+        apt-get update && \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+            python3 python3-venv ca-certificates && \
+        rm -rf /var/lib/apt/lists/*; \
+    fi && python3 -m venv /opt/venv
+
+WORKDIR /app
+# Dependencies first (one cached layer that only pyproject.toml or new wheels invalidate).
+COPY docker/wheelhouse/ /tmp/wheels/
+COPY pyproject.toml /tmp/pyproject.toml
+RUN set -eux; \
+    pip install $PIP_ARGS --find-links /tmp/wheels --upgrade pip 'setuptools>=77' wheel; \
+    pip install $PIP_ARGS --find-links /tmp/wheels --extra-index-url "$TORCH_INDEX_URL" torch torchvision; \
+    python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        > /tmp/requirements.txt; \
+    pip install $PIP_ARGS --find-links /tmp/wheels -r /tmp/requirements.txt 's3fs>=2023.1'; \
+    rm -rf /tmp/wheels /root/.cache
+
+# The project itself.
+COPY . /app
+RUN pip install --no-deps --no-build-isolation /app && rm -rf /app/build /app/*.egg-info \
+    && install -m 0755 /app/docker/entrypoint.sh /usr/local/bin/elastic-entrypoint \
+    && elastic-agent --help >/dev/null
+
+# One node's agent; the arguments are elastic-agent's (torchrun's) options and the worker.
+# The entrypoint adds --local-addr=<this container's IP> and execs elastic-agent as PID 1, so
+# `docker stop` (SIGTERM) reaches it: the workers checkpoint and the node leaves the rendezvous.
+# Any other first argument runs that command instead (e.g. `elastic status ...`).
+ENTRYPOINT ["elastic-entrypoint"]
+CMD ["--help"]

@@ -1,0 +1,170 @@
+"""Fixtures for the docker-compose end-to-end tests: a docker daemon, local images, a project.
+
+Nothing here skips: without docker the tests fail, saying what is missing (CI runs
+``.ci/docker-setup.sh`` first, which installs and starts everything and builds the images).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def run(cmd: list[str], timeout: float = 120, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")  # fmt: skip
+    return proc
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str, every: float = 0.5) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def compose_cli() -> list[str]:
+    """``docker-compose`` (v1, Debian's package) or ``docker compose`` (v2 plugin)."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    plugin = ["docker", "compose"]
+    if shutil.which("docker") and run([*plugin, "version"], check=False).returncode == 0:
+        return plugin
+    pytest.fail("Neither docker-compose nor the docker compose plugin is installed; run "
+                "`bash .ci/docker-setup.sh` (apt-get install docker.io docker-compose).")
+
+
+@pytest.fixture(scope="session")
+def images() -> dict[str, str]:
+    """Start dockerd if none answers, build the local images (cached), return their names."""
+    if not shutil.which("docker"):
+        pytest.fail("docker is not installed; run `bash .ci/docker-setup.sh` "
+                    "(apt-get install docker.io docker-compose debootstrap).")
+    if run(["docker", "info"], check=False, timeout=30).returncode != 0:
+        started = run(["bash", "docker/start-dockerd.sh"], check=False, timeout=120)
+        if started.returncode != 0:
+            pytest.fail(f"No docker daemon, and starting one failed:\n{started.stderr[-3000:]}")
+    built = run(["bash", "docker/build-base.sh"], check=False, timeout=3600)
+    if built.returncode != 0:
+        pytest.fail(f"Building the local images failed:\n{built.stderr[-5000:]}")
+    names = dict(line.split("=", 1) for line in built.stdout.splitlines() if "=" in line)
+    for key in ("ELASTIC_BASE_IMAGE", "ELASTIC_ETCD_IMAGE", "ELASTIC_AGENT_IMAGE"):
+        assert names.get(key), f"docker/build-base.sh printed no {key}:\n{built.stdout}"
+    return names
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """One docker-compose project of this repo's docker-compose.yml, and what it wrote."""
+
+    def __init__(self, images: dict[str, str], tmp: Path, overrides: dict[str, Any]) -> None:
+        self.name = f"elastic-e2e-{uuid.uuid4().hex[:8]}"
+        self.run_id = "compose-e2e"
+        self.dir = tmp / "checkpoints"
+        self.dir.mkdir()
+        self.etcd_port = free_port()
+        self.env_file = tmp / "agent.env"
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in overrides.items()))
+        self.env = {
+            **os.environ,
+            "COMPOSE_PROJECT_NAME": self.name,
+            "ELASTIC_IMAGE": images["ELASTIC_AGENT_IMAGE"],
+            "ETCD_IMAGE": images["ELASTIC_ETCD_IMAGE"],
+            "ELASTIC_ETCD_PORT": str(self.etcd_port),
+            "ELASTIC_CHECKPOINTS": str(self.dir),
+            "ELASTIC_ENV_FILE": str(self.env_file),
+            "ELASTIC_RUN_ID": self.run_id,
+            "ELASTIC_STOP_GRACE": "120s",
+        }
+        self.cli = [*compose_cli(), "-f", str(REPO / "docker-compose.yml")]
+        self.event_log = self.dir / "events.jsonl"
+
+    def compose(self, *args: str, timeout: float = 180,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+        return run([*self.cli, *args], timeout=timeout, check=check, env=self.env)
+
+    def agents(self) -> list[str]:
+        """Container ids of the agent replicas, running or not."""
+        return self.compose("ps", "-q", "agent").stdout.split()
+
+    def running_agents(self) -> list[str]:
+        return [c for c in self.agents() if self.inspect(c)["State"]["Running"]]
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        return json.loads(run(["docker", "inspect", container]).stdout)[0]
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self.event_log.exists():
+            return []
+        out = []
+        for line in self.event_log.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or event.get("kind") == kind:
+                out.append(event)
+        return out
+
+    def steps(self) -> list[dict[str, Any]]:
+        return self.events("train.step")
+
+    def last_step(self) -> int:
+        return max((e["step"] for e in self.steps()), default=0)
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail=60", check=False).stdout[-12000:]
+
+    def down(self) -> None:
+        self.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=300)
+
+
+@pytest.fixture
+def cluster_factory(images: dict[str, str], tmp_path: Path,
+                    request: pytest.FixtureRequest) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(**overrides: Any) -> Cluster:
+        cluster = Cluster(images, tmp_path, overrides)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        failed = getattr(request.node, "rep_call", None)
+        if failed is not None and failed.failed:
+            print(f"--- docker-compose logs of {cluster.name}\n{cluster.logs()}")
+        cluster.down()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

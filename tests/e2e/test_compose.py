@@ -1,0 +1,182 @@
+"""docker-compose.yml for real: etcd + agents in containers, nodes added, killed and stopped.
+
+Scenario: up with 2 agents; scale to 3; ``docker kill`` one (SIGKILL: a crash); ``docker stop``
+another (SIGTERM: a planned leave with a checkpoint); the last one finishes the job. From the
+events and checkpoints on the shared (bind-mounted) volume: the job finished, every step ran,
+and every checkpoint a worker loaded was a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import pytest
+
+from elastic.checkpoint import find_latest_complete
+from elastic.checkpoint.layout import inspect_step
+from tests.e2e.conftest import REPO, Cluster, free_port, run, wait_until
+
+pytestmark = [pytest.mark.compose, pytest.mark.slow]
+
+MAX_STEPS = int(os.environ.get("ELASTIC_E2E_MAX_STEPS", "1200"))
+# A small CNN, so the scenario takes a few minutes on 2 shared CPU cores. Batch 48 splits
+# evenly over 1, 2 and 3 nodes of micro-batch 8.
+TINY = {
+    "ELASTIC_MODEL__NAME": "tiny_cnn",
+    "ELASTIC_DATA__IMAGE_SIZE": 16,
+    "ELASTIC_DATA__NUM_SAMPLES": 4800,
+    "ELASTIC_DATA__GLOBAL_BATCH_SIZE": 48,
+    "ELASTIC_DATA__MICRO_BATCH_SIZE": 8,
+    "ELASTIC_OPTIMIZER__WARMUP_STEPS": 10,
+    "ELASTIC_JOB__MAX_STEPS": MAX_STEPS,
+    "ELASTIC_JOB__LOG_EVERY": 25,
+    "ELASTIC_JOB__PROGRESS_BAR": "false",
+    "ELASTIC_CHECKPOINT__INTERVAL": 20,
+    # Keep every step so that the test can inspect each checkpoint a worker loaded.
+    "ELASTIC_CHECKPOINT__KEEP_LAST": 1000,
+}
+
+
+def step_at_world(cluster: Cluster, after: float, world: int, timeout: float = 180) -> dict:
+    """The first train.step after ``after`` at world size ``world``."""
+    return wait_until(
+        lambda: next((e for e in cluster.steps() if e["ts"] > after and e["world_size"] == world),
+                     None),
+        timeout, f"a step at world size {world} (last step {cluster.last_step()})",
+    )  # fmt: skip
+
+
+def assert_loaded_complete(url: str, run_id: str, loads: list[dict]) -> None:
+    """Every checkpoint a worker loaded is complete: commit marker present, every file's size and
+    CRC as the marker records. (A ``ckpt.save`` event alone cannot tell: a writer killed right
+    after committing never reports it.) Needs ``checkpoint.keep_last`` large enough to keep them.
+    """
+    for step in sorted({e["step"] for e in loads}):
+        info = inspect_step(url, run_id, step, "full")
+        assert info.complete, f"a worker loaded step {step}, which is not complete: {info.reason}"
+
+
+def loads_after(cluster: Cluster, ts: float) -> list[dict]:
+    return [e for e in cluster.events("ckpt.load") if e["ts"] > ts]
+
+
+@pytest.mark.timeout(1800)
+def test_scale_kill_stop_and_finish(cluster_factory) -> None:
+    cluster = cluster_factory(**TINY)
+    t0 = time.monotonic()
+    cluster.compose("up", "-d", "--no-build", "--scale", "agent=2", timeout=300)
+    assert len(cluster.agents()) == 2
+    first = step_at_world(cluster, 0, 2, timeout=240)
+    print(f"world 2 trains after {time.monotonic() - t0:.1f} s (step {first['step']})")
+
+    # `elastic status` from the host, through the published (127.0.0.1-only) etcd port.
+    status = run([sys.executable, "-m", "elastic.cli", "status",
+                  "--etcd", f"127.0.0.1:{cluster.etcd_port}", "--run-id", cluster.run_id,
+                  "--checkpoint-url", str(cluster.dir), "--json"], timeout=60)  # fmt: skip
+    assert json.loads(status.stdout), status.stdout
+
+    # Add a node.
+    wait_until(lambda: cluster.last_step() >= first["step"] + 10, 120, "10 steps at world 2")
+    before, joined_at = cluster.last_step(), time.time()
+    cluster.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "agent=3", timeout=300)
+    assert len(cluster.running_agents()) == 3
+    after_join = step_at_world(cluster, joined_at, 3)
+    assert after_join["step"] > before
+    assert min(e["step"] for e in loads_after(cluster, joined_at)) >= before - 20
+    print(f"world 3 at step {after_join['step']}, {time.time() - joined_at:.1f} s after scaling")
+
+    # Crash a node: SIGKILL of the whole container.
+    wait_until(lambda: cluster.last_step() >= after_join["step"] + 10, 120, "10 steps at world 3")
+    victim = cluster.running_agents()[0]
+    killed_at = time.time()
+    run(["docker", "kill", "--signal=KILL", victim])
+    after_kill = step_at_world(cluster, killed_at, 2)
+    print(f"world 2 at step {after_kill['step']}, {time.time() - killed_at:.1f} s after the kill")
+
+    # A planned leave: `docker stop` = SIGTERM to elastic-agent (PID 1), grace period 120 s.
+    wait_until(lambda: cluster.last_step() >= after_kill["step"] + 10, 120, "10 steps at world 2")
+    leaver = cluster.running_agents()[0]
+    before, left_at = cluster.last_step(), time.time()
+    run(["docker", "stop", "--time=120", leaver], timeout=180)
+    assert cluster.inspect(leaver)["State"]["ExitCode"] == 0, cluster.logs()
+    leaves = [e for e in cluster.events("node.leave") if e["ts"] > left_at]
+    assert leaves, "the stopped node must leave the rendezvous itself"
+    after_leave = step_at_world(cluster, left_at, 1)
+    assert min(e["step"] for e in loads_after(cluster, left_at)) >= before, \
+        "a planned leave checkpoints first: nothing may be redone"
+    print(f"world 1 at step {after_leave['step']}, {time.time() - left_at:.1f} s after the stop")
+
+    # The last node finishes the job.
+    (last,) = cluster.running_agents()
+    assert after_leave["step"] < MAX_STEPS, "the job finished before the scenario did"
+    exit_code = int(run(["docker", "wait", last], timeout=1200).stdout.strip())
+    assert exit_code == 0, cluster.logs()
+    print(f"finished {time.monotonic() - t0:.1f} s after `up`")
+
+    # What the shared volume says.
+    steps = cluster.steps()
+    assert sorted({e["step"] for e in steps}) == list(range(1, MAX_STEPS + 1)), \
+        "every step from 1 to max_steps must have run"
+    assert all(math.isfinite(e["loss"]) for e in steps)
+    assert {e["world_size"] for e in steps} == {1, 2, 3}
+    loads = cluster.events("ckpt.load")
+    assert loads, "joins and leaves must resume from checkpoints"
+    assert_loaded_complete(str(cluster.dir), cluster.run_id, loads)
+    latest = find_latest_complete(str(cluster.dir), cluster.run_id, warn=False)
+    assert latest is not None and latest.step == MAX_STEPS, latest
+    assert all(cluster.inspect(c)["State"]["Status"] == "exited" for c in cluster.agents())
+    assert (REPO / "docker-compose.yml").exists()
+
+
+S3_MAX_STEPS = int(os.environ.get("ELASTIC_E2E_S3_MAX_STEPS", "200"))
+
+
+@pytest.mark.timeout(1200)
+def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
+    """Profile ``s3`` with moto standing in for MinIO: checkpoints on s3://, a planned leave."""
+    import s3fs
+
+    cluster = cluster_factory(**{**TINY, "ELASTIC_JOB__MAX_STEPS": S3_MAX_STEPS})
+    s3_port = free_port()
+    cluster.env.update({
+        "S3_IMAGE": images["ELASTIC_MOTO_IMAGE"],
+        "S3_COMMAND": "-H 0.0.0.0 -p 9000",
+        "S3_PORT": str(s3_port),
+        "ELASTIC_RUN_ID_S3": cluster.run_id,
+    })  # fmt: skip
+    cluster.event_log = cluster.dir / "events-s3.jsonl"
+    cluster.compose("--profile", "s3", "up", "-d", "--no-build", "--scale", "agent-s3=2",
+                    "agent-s3", timeout=300)  # fmt: skip
+    agents = cluster.compose("--profile", "s3", "ps", "-q", "agent-s3").stdout.split()
+    assert len(agents) == 2
+    assert not cluster.agents(), "naming agent-s3 must not start the volume-backed agents"
+    first = step_at_world(cluster, 0, 2, timeout=240)
+    wait_until(lambda: cluster.last_step() >= first["step"] + 25, 180, "a checkpoint at world 2")
+
+    before, left_at = cluster.last_step(), time.time()
+    run(["docker", "stop", "--time=120", agents[0]], timeout=180)
+    assert cluster.inspect(agents[0])["State"]["ExitCode"] == 0, cluster.logs()
+    after_leave = step_at_world(cluster, left_at, 1)
+    assert min(e["step"] for e in loads_after(cluster, left_at)) >= before
+    assert after_leave["step"] < S3_MAX_STEPS, "the job finished before the scenario did"
+    exit_code = int(run(["docker", "wait", agents[1]], timeout=900).stdout.strip())
+    assert exit_code == 0, cluster.logs()
+
+    steps = cluster.steps()
+    assert sorted({e["step"] for e in steps}) == list(range(1, S3_MAX_STEPS + 1))
+    saves = [e for e in cluster.events("ckpt.save") if e.get("ok")]
+    assert saves and all(e["url"].startswith("s3://") for e in saves)
+    loads = cluster.events("ckpt.load")
+    assert loads and all(e["url"].startswith("s3://") for e in loads), loads
+    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{s3_port}", key="elastic",
+                           secret="elastic-secret")  # fmt: skip
+    root = f"elastic/checkpoints/{cluster.run_id}"
+    final = f"{root}/step-{S3_MAX_STEPS}/COMMIT.json"
+    assert fs.exists(final), fs.find(root)
+    for step in {e["step"] for e in loads}:
+        assert fs.exists(f"{root}/step-{step}/COMMIT.json"), f"loaded step {step} is not committed"
+
