@@ -21,12 +21,12 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic import events
+from elastic import events, exitcodes
 from elastic.rendezvous.dynamic import EtcdRendezvousHandler
 
 logger = logging.getLogger(__name__)
 
-REFORM_EXIT_CODE = 75  # EX_TEMPFAIL: "stopped for a membership change, start me again"
+REFORM_EXIT_CODE = exitcodes.REFORM
 
 
 class NodeAgent(LocalElasticAgent):

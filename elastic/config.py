@@ -51,6 +51,9 @@ class JobConfig(_Section):
     deterministic: bool = True
     progress_bar: bool = True
     sample_ledger: bool = Field(False, description="log every rank's sample indices per step")
+    min_step_s: float = Field(
+        0.0, ge=0, description="pace steps to at least this long (slow motion for demos/tests)"
+    )
 
     @model_validator(mode="after")
     def _one_limit(self) -> JobConfig:

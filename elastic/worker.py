@@ -28,12 +28,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic import env, events
+from elastic import env, events, exitcodes
 from elastic.checkpoint import CheckpointManager, CommitFence
 from elastic.config import Config, DistributedConfig, JobConfig, load_config
 from elastic.data import build_dataset
 from elastic.errors import CheckpointError, ConfigError
 from elastic.model import build_model
+from elastic.procs import die_with_parent
 from elastic.sampler import Cursor, ElasticSampler
 from elastic.train import StepResult, Trainer, build_optimizer, build_scheduler
 
@@ -197,6 +198,9 @@ class Worker:
             self.step += 1
             self.cursor = result.cursor
             self._report(result, time.perf_counter() - started, progress)
+            pace = self.cfg.job.min_step_s - (time.perf_counter() - started)
+            if pace > 0:
+                time.sleep(pace)
             if result.stop:
                 break
             if self.step % self.cfg.checkpoint.interval == 0 and self.step < end:
@@ -207,7 +211,10 @@ class Worker:
             self.save(block=True)
         self.checkpoints.close()
         logger.info("Stopped at step %d of %d.", self.step, self.total_steps)
-        return 0
+        if self.step < end and not stop.requested:
+            logger.info("A peer asked the group to stop; exiting for the group to re-form.")
+            return exitcodes.REFORM
+        return exitcodes.OK
 
     def _report(self, result: StepResult, seconds: float, progress: _Progress) -> None:
         samples_per_s = self.sampler.global_batch_size / max(seconds, 1e-9)
@@ -271,6 +278,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (torch elastic records uncaught errors)."""
     args = _parse(argv)
+    if env.RUN_ID in os.environ:
+        die_with_parent()  # never outlive the agent that started us (kill -9 of an agent)
     rank = os.environ.get(env.RANK, "0")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")

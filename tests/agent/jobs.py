@@ -1,0 +1,69 @@
+"""Run our CNN worker under real elastic-agent processes and read what happened."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+from elastic import env
+from tests.helpers import PYTHON, REPO, Node, kill_pid, node_env, pid_alive, read_jsonl
+
+FAST_CONF = "join_timeout=90,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+class Job:
+    """Agents of one run, its event log and checkpoints, and cleanup of every process."""
+
+    def __init__(self, tmp: Path, endpoint: str, run_id: str, max_steps: int = 60) -> None:
+        self.tmp, self.endpoint, self.run_id, self.max_steps = tmp, endpoint, run_id, max_steps
+        self.event_log = tmp / "events.jsonl"
+        self.nodes: dict[str, Node] = {}
+
+    def start(self, name: str, nnodes: str = "1:3", max_restarts: int = 3, **cfg: Any) -> Node:
+        overrides = {
+            "job.run_id": self.run_id, "job.max_steps": self.max_steps, "job.log_every": 1,
+            "job.min_step_s": 0.25,
+            "checkpoint.url": self.tmp / "ckpt", "checkpoint.interval": 5, **cfg,
+        }  # fmt: skip
+        argv = [
+            PYTHON, "-m", "agents.launch", f"--nnodes={nnodes}", "--nproc-per-node=1",
+            f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={FAST_CONF}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.3", "--local-addr=127.0.0.1",
+            "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
+            *(f"{k}={v}" for k, v in overrides.items()),
+        ]  # fmt: skip
+        environ = node_env(**{env.EVENT_LOG: str(self.event_log)})
+        self.nodes[name] = Node(name, argv, self.tmp, environ)
+        return self.nodes[name]
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in read_jsonl(self.event_log) if e.get("kind") == kind]
+
+    def steps(self) -> list[dict[str, Any]]:
+        return self.events("train.step")
+
+    def last_step(self) -> int:
+        return max((e["step"] for e in self.steps()), default=0)
+
+    def worlds_after(self, ts: float) -> list[int]:
+        return [e["world_size"] for e in self.steps() if e["ts"] > ts]
+
+    def worker_pids(self) -> set[int]:
+        return {e["pid"] for e in read_jsonl(self.event_log) if "pid" in e} - {
+            n.pid for n in self.nodes.values()
+        }
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{node.output()[-4000:]}" for n, node in self.nodes.items())
+
+    def cleanup(self) -> list[int]:
+        """Kill everything still running; return the worker pids that were left behind."""
+        for node in self.nodes.values():
+            node.kill(signal.SIGKILL)
+            node.proc.wait(10)
+        orphans = [pid for pid in self.worker_pids() if pid_alive(pid)]
+        for pid in orphans:
+            kill_pid(pid)
+        return orphans

@@ -1,0 +1,76 @@
+"""Nodes join, leave on purpose and crash while the CNN worker trains; nothing is lost."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from elastic.procs import children, kill
+from tests.agent.jobs import Job
+from tests.helpers import pid_alive, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def assert_continuous(job: Job) -> None:
+    """Every step from 1 to the end completed, and none went backwards beyond a resume."""
+    steps = sorted({e["step"] for e in job.steps()})
+    assert steps == list(range(1, job.max_steps + 1)), steps
+
+
+def first_step_after(job: Job, ts: float, world: int) -> dict:
+    return wait_until(
+        lambda: next((e for e in job.steps() if e["ts"] > ts and e["world_size"] == world), None),
+        120, f"a step at world size {world}",
+    )  # fmt: skip
+
+
+def test_join_then_planned_leave_lose_no_steps(job: Job) -> None:
+    a, b = job.start("a", max_restarts=0), job.start("b", max_restarts=0)
+    wait_until(lambda: job.last_step() >= 8, 120, "step 8 at world 2")
+    before = job.last_step()
+    joined_at = time.time()
+    c = job.start("c", max_restarts=0)
+    after_join = first_step_after(job, joined_at, 3)
+    assert after_join["step"] >= before + 1
+    loads = [e for e in job.events("ckpt.load") if e["ts"] > joined_at]
+    assert loads and min(e["step"] for e in loads) >= before, "a join must not roll back"
+
+    wait_until(lambda: job.last_step() >= after_join["step"] + 5, 120, "5 steps at world 3")
+    before = job.last_step()
+    left_at = time.time()
+    b.kill(signal.SIGTERM)
+    assert b.wait(60) == 0, job.logs()
+    after_leave = first_step_after(job, left_at, 2)
+    loads = [e for e in job.events("ckpt.load") if e["ts"] > left_at]
+    assert loads and min(e["step"] for e in loads) >= before, "a planned leave must not roll back"
+    assert job.events("node.leave"), "the leaving node must leave the rendezvous itself"
+
+    for node in (a, c):
+        assert node.wait(180) == 0, job.logs()
+    assert_continuous(job)
+    assert after_leave["world_size"] == 2
+    assert job.cleanup() == [], "no worker may outlive its agent"
+
+
+def test_kill_9_of_an_agent_then_of_a_worker(job: Job) -> None:
+    nodes = [job.start(n) for n in "abc"]
+    wait_until(lambda: job.last_step() >= 8 and job.worlds_after(0)[-1] == 3, 150, "world 3")
+    victim = nodes[1]
+    orphans = children(victim.pid)
+    assert orphans, "the agent must have a worker"
+    killed_at = time.time()
+    kill(victim.pid)  # kill -9 of an agent: its worker must not outlive it
+    wait_until(lambda: not any(pid_alive(p) for p in orphans), 30, "the worker to die too")
+    first_step_after(job, killed_at, 2)
+
+    worker = children(nodes[0].pid)[0]
+    killed_at = time.time()
+    kill(worker)  # kill -9 of a worker: its agent restarts it and the group re-forms
+    first_step_after(job, killed_at, 2)
+    for node in (nodes[0], nodes[2]):
+        assert node.wait(240) == 0, job.logs()
+    assert_continuous(job)
+    assert job.cleanup() == [], "no worker may outlive its agent"
