@@ -1,11 +1,14 @@
 """Our node agent: torch's LocalElasticAgent plus planned leave and re-form on request.
 
-Two additions, both small hooks into torch's agent:
+Three additions, both small hooks into torch's agent:
 
 * **Re-form on request.** A worker that stops because a *peer* asked the group
   to stop (a planned leave elsewhere) exits with :data:`REFORM_EXIT_CODE`. The
   agent treats that as a change of membership, not a failure: it re-runs the
   rendezvous without spending a restart.
+* **A job-wide restart budget.** ``--max-restarts`` counts failed rounds of
+  the whole job in etcd (one key per failed round, whoever sees it first),
+  not failures seen by this agent.
 * **Planned leave.** On SIGTERM/SIGINT the agent lets torch stop its workers
   (ours finish the current step and write a checkpoint with their peers), then
   removes this node from the rendezvous at once instead of leaving the others
@@ -46,7 +49,22 @@ class NodeAgent(LocalElasticAgent):
             events.emit("worker.restart", reason="reform", run_id=handler.get_run_id())
             handler.request_reform()
             return RunResult(state=WorkerState.HEALTHY)
+        self._spend_job_restart(handler)
         return result
+
+    def _spend_job_restart(self, handler: EtcdRendezvousHandler) -> None:
+        """Make ``--max-restarts`` a budget of the whole job, kept in etcd, not per agent."""
+        used = handler.record_failed_round()
+        if used is None:
+            return
+        budget = self._worker_group.spec.max_restarts
+        # torch restarts while _remaining_restarts > 0, then decrements it.
+        self._remaining_restarts = budget - used + 1 if used <= budget else 0
+        events.emit("worker.restart", reason="failure", run_id=handler.get_run_id(),
+                    job_restarts_used=used, job_restart_budget=budget)  # fmt: skip
+        if used > budget:
+            logger.error("The job has failed %d times, over its budget of %d restarts; stopping.",
+                         used, budget)  # fmt: skip
 
     def run(self, role: str = "default") -> Any:
         try:

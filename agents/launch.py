@@ -9,6 +9,7 @@ and a non-zero exit, not a traceback.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Sequence
@@ -37,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.set_defaults(rdzv_backend="etcd-v3")
     args = parser.parse_args(argv)
     try:
+        _preflight_worker_config(args)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    try:
         config, cmd, cmd_args = config_from_args(args)
     except (AssertionError, ValueError) as exc:  # torchrun's checks of --nnodes and friends
         return _fail(f"{exc}; check the command-line options.", EXIT_USAGE)
@@ -52,6 +57,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as exc:
         return _fail(f"a worker failed: {exc.get_first_failure()[1].message}", EXIT_FAILED)
     return 0
+
+
+def _preflight_worker_config(args: argparse.Namespace) -> None:
+    """Validate our worker's config here, once, instead of in every worker and restart."""
+    if not (args.module and args.training_script == "elastic.worker"):
+        return
+    from elastic.config import load_config
+    from elastic.errors import ConfigError
+
+    worker_args = list(args.training_script_args)
+    if "--config" not in worker_args or worker_args.index("--config") + 1 >= len(worker_args):
+        raise ConfigError("elastic.worker needs --config FILE; pass the worker's YAML config.")
+    at = worker_args.index("--config")
+    overrides = [a for a in worker_args[at + 2 :] if "=" in a]
+    load_config(worker_args[at + 1], overrides)
 
 
 def _fail(message: str, code: int) -> int:

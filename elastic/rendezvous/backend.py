@@ -59,6 +59,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def __init__(self, client: EtcdClient, keys: RunKeys, lease: RunLease) -> None:
         self._client = client
+        self._keys = keys
         self._key = keys.state
         self._lease = lease
         self._losses = 0
@@ -94,6 +95,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._losses += 1
         time.sleep(random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**self._losses)))
         return self._from_range(response.responses[0].response_range.kvs)
+
+    def record_failed_round(self, round_: int) -> int:
+        """Count a failed round once for the whole job; return how many rounds failed.
+
+        Every agent of a failed round calls this; only the first creates the key.
+        """
+        key = self._keys.restarts + str(round_).encode()
+        self._client.txn([compare_absent(key)], [op_put(key, b"1", self._lease.id())], [])
+        return self._client.range(self._keys.restarts, prefix=True, count_only=True).count
 
     def wait_for_change(self, token: Token, timeout: float) -> bool:
         """Block until the state changes after revision ``token`` (True) or ``timeout`` passes."""

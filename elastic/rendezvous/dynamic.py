@@ -109,6 +109,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         )
         return info
 
+    def record_failed_round(self) -> int | None:
+        """Count this round's failure in the job-wide ledger; None if there is no ledger."""
+        record = getattr(self._state_holder._backend, "record_failed_round", None)
+        if record is None or self._joined_round is None:
+            return None
+        return record(self._joined_round)
+
     def _wait_for_state_change(self, seconds: float) -> None:
         token = self._state_holder._token
         wait = getattr(self._state_holder._backend, "wait_for_change", None)

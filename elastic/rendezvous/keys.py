@@ -34,6 +34,11 @@ class RunKeys:
         return self.root + b"rdzv/state"
 
     @property
+    def restarts(self) -> bytes:
+        """Prefix of the job-wide restart ledger: one key per failed round."""
+        return self.root + b"restarts/"
+
+    @property
     def store(self) -> bytes:
         """Prefix of the c10d store's keys."""
         return self.root + b"store/"

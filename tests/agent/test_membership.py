@@ -74,3 +74,24 @@ def test_kill_9_of_an_agent_then_of_a_worker(job: Job) -> None:
         assert node.wait(240) == 0, job.logs()
     assert_continuous(job)
     assert job.cleanup() == [], "no worker may outlive its agent"
+
+
+def test_restart_budget_is_kept_for_the_whole_job_in_etcd(job: Job) -> None:
+    from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+    from elastic.rendezvous.keys import RunKeys
+
+    nodes = [job.start(n, max_restarts=1) for n in "ab"]
+    wait_until(lambda: job.last_step() >= 6, 120, "step 6")
+    kill(children(nodes[0].pid)[0])  # failure 1 of a budget of 1: restart
+    killed_at = time.time()
+    first_step_after(job, killed_at, 2)
+    with EtcdClient(EtcdOptions(parse_endpoints(job.endpoint)[0])) as client:
+        ledger = client.range(RunKeys("/elastic", job.run_id).restarts, prefix=True).kvs
+    assert len(ledger) == 1, "both agents saw one failure: it must count once"
+    kill(children(nodes[1].pid)[0])  # failure 2: over the budget, the job stops
+    codes = [node.wait(120) for node in nodes]
+    assert all(code != 0 for code in codes), job.logs()
+    used = [
+        e["job_restarts_used"] for e in job.events("worker.restart") if "job_restarts_used" in e
+    ]
+    assert max(used) == 2

@@ -1,0 +1,99 @@
+"""elastic-agent and elastic status from the outside: bad input, a user's own script, status."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd_server import EtcdServer
+from tests.agent.jobs import Job
+from tests.helpers import PYTHON, REPO, node_env, wait_until
+from tests.rendezvous.nodes import FAST_CONF
+
+
+def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=node_env(), cwd=REPO)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("worker_args", "needle"),
+    [
+        (["--config", "/no/such.yaml"], "Cannot read config file /no/such.yaml"),
+        (["--config", "configs/tiny.yaml", "model.name=nonet"], "model.name = 'nonet'"),
+        ([], "needs --config FILE"),
+    ],
+)
+def test_bad_worker_config_is_one_line_before_any_rendezvous(
+    worker_args: list[str], needle: str
+) -> None:
+    result = run("-m", "agents.launch", "--nnodes=1", "--rdzv-endpoint=127.0.0.1:1",
+                 "--rdzv-id=x", "-m", "elastic.worker", *worker_args)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("elastic-agent")]
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+USER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    model = DDP(torch.nn.Linear(3, 1))
+    model(torch.ones(4, 3)).sum().backward()
+    grad = model.module.weight.grad.clone()
+    dist.all_reduce(grad)
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}"), "w") as f:
+        f.write(f"{dist.get_world_size()} {grad.sum().item():.4f}")
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_users_own_ddp_script_runs_unchanged(
+    tmp_path: Path, etcd: EtcdServer, run_id: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT)
+    result = run("-m", "agents.launch", "--nnodes=1", "--nproc-per-node=2",
+                 f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+                 f"--rdzv-conf={FAST_CONF}", str(script), str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs = {(tmp_path / f"rank{r}").read_text() for r in range(2)}
+    assert len(outputs) == 1 and next(iter(outputs)).startswith("2 ")
+
+
+@pytest.mark.slow
+def test_status_reports_members_round_and_checkpoint(job: Job) -> None:
+    nodes = [job.start(n) for n in "ab"]
+    wait_until(lambda: any(e["step"] >= 6 for e in job.steps()), 120, "step 6")
+    result = run("-m", "elastic.cli", "status", "--etcd", job.endpoint, "--run-id", job.run_id,
+                 "--checkpoint-url", str(job.tmp / "ckpt"), "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    rdzv = status["rendezvous"]
+    assert rdzv["complete"] and rdzv["world_size"] == 2
+    assert sorted(m["state"] for m in rdzv["members"]) == ["rank 0", "rank 1"]
+    assert all(m["last_heartbeat_s_ago"] < 10 for m in rdzv["members"])
+    assert status["checkpoint"]["newest_complete_step"] >= 5
+    table = run("-m", "elastic.cli", "status", "--etcd", job.endpoint, "--run-id", job.run_id)
+    assert f"run {job.run_id}" in table.stdout and "world size 2" in table.stdout
+    for node in nodes:
+        node.kill()
+
+
+def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
+    result = run("-m", "elastic.cli", "status", "--etcd", etcd.endpoint, "--run-id", "nobody")
+    assert result.returncode == 0 and "no rendezvous state" in result.stdout
+    from elastic.etcd_server import free_port
+
+    result = run("-m", "elastic.cli", "status", "--etcd", f"127.0.0.1:{free_port()}",
+                 "--run-id", "x")  # fmt: skip
+    assert result.returncode == 1 and "Could not reach etcd" in result.stderr
+    assert "Traceback" not in result.stderr
