@@ -104,7 +104,7 @@ class EtcdServer:
     def start(self) -> EtcdServer:
         """Launch the process (use :meth:`wait_ready` or :func:`start_etcd` to await it)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir.parent / f"{self.name}.log", "ab")  # noqa: SIM115
+        log = open(self.data_dir.parent / f"etcd-{self.name}.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log)
         log.close()
         logger.info("Started etcd %s (pid %d) on %s.", self.name, self.proc.pid, self.endpoint)
