@@ -23,3 +23,4 @@ RUN_ID = "TORCHELASTIC_RUN_ID"
 EVENT_LOG = "ELASTIC_EVENT_LOG"  # path of the JSON-lines event log; unset = no file
 CONFIG_PREFIX = "ELASTIC_"  # ELASTIC_<SECTION>__<KEY>=value overrides a config field
 ETCD_BIN = "ELASTIC_ETCD_BIN"  # etcd binary for the embedded server and the tests
+FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fencing)

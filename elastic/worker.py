@@ -266,6 +266,14 @@ def train(cfg: Config, commit_fence: CommitFence | None = None) -> int:
             dist.destroy_process_group()
 
 
+def _fence_from_env() -> CommitFence | None:
+    """The commit fence our agent hands us (None under plain torchrun)."""
+    from elastic.rendezvous.fence import FenceSpec, RoundFence
+
+    spec = FenceSpec.from_env()
+    return RoundFence(spec) if spec is not None else None
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m elastic.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -284,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
     try:
-        return train(load_config(args.config, args.overrides))
+        return train(load_config(args.config, args.overrides), _fence_from_env())
     except ConfigError as exc:
         print(f"elastic.worker: error: {exc}", file=sys.stderr)
         return 2

@@ -49,7 +49,7 @@ from elastic.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-CommitFence = Callable[[], None]
+CommitFence = Callable[[int], None]  # called with the step; raises to refuse
 _WRITER_NICENESS = 10
 
 
@@ -222,7 +222,7 @@ class CheckpointManager:
             files.update(r["files"])
         try:
             if self.commit_fence is not None:
-                self.commit_fence()
+                self.commit_fence(step)
             write_commit(url, step, self.world_size, files)
         except Exception as exc:  # a refused fence or a storage error: no commit
             return False, f"commit refused: {type(exc).__name__}: {exc}", {}

@@ -96,6 +96,18 @@ class EtcdRendezvousBackend(RendezvousBackend):
         time.sleep(random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**self._losses)))
         return self._from_range(response.responses[0].response_range.kvs)
 
+    def publish_fence(self, round_: int) -> str:
+        """Advance the commit fence to ``round_``; return the spec workers need (JSON)."""
+        from elastic.rendezvous.fence import FenceSpec, publish_round
+
+        publish_round(self._client, self._keys, round_, self._lease.id())
+        o = self._client.options
+        return FenceSpec(
+            endpoints=",".join(str(e) for e in o.endpoints), prefix=self._keys.prefix,
+            run_id=self._keys.run_id, round=round_, cacert=o.ca_cert, cert=o.cert, key=o.key,
+            user=o.user, password=o.password, tls=o.tls,
+        ).to_env()  # fmt: skip
+
     def record_failed_round(self, round_: int) -> int:
         """Count a failed round once for the whole job; return how many rounds failed.
 

@@ -23,6 +23,7 @@ handler's join; every other caller keeps torch's plain sleep.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -42,7 +43,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousExitOp,
 )
 
-from elastic import events
+from elastic import env, events
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             _waiter.fn = None
         state = self._state_holder.state
         self._joined_round = state.round
+        self._publish_fence(state.round)
         events.emit(
             "rdzv.round",
             run_id=self.get_run_id(),
@@ -108,6 +110,12 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             world_size=info.world_size,
         )
         return info
+
+    def _publish_fence(self, round_: int) -> None:
+        """Advance the commit fence to this round and hand it to the workers we start."""
+        publish = getattr(self._state_holder._backend, "publish_fence", None)
+        if publish is not None:
+            os.environ[env.FENCE] = publish(round_)
 
     def record_failed_round(self) -> int | None:
         """Count this round's failure in the job-wide ledger; None if there is no ledger."""

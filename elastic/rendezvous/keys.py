@@ -34,6 +34,11 @@ class RunKeys:
         return self.root + b"rdzv/state"
 
     @property
+    def fence(self) -> bytes:
+        """The newest completed round: only it may commit checkpoints."""
+        return self.root + b"fence"
+
+    @property
     def restarts(self) -> bytes:
         """Prefix of the job-wide restart ledger: one key per failed round."""
         return self.root + b"restarts/"

@@ -81,7 +81,15 @@ def test_status_reports_members_round_and_checkpoint(job: Job) -> None:
     assert rdzv["complete"] and rdzv["world_size"] == 2
     assert sorted(m["state"] for m in rdzv["members"]) == ["rank 0", "rank 1"]
     assert all(m["last_heartbeat_s_ago"] < 10 for m in rdzv["members"])
-    assert status["checkpoint"]["newest_complete_step"] >= 5
+    newest = status["checkpoint"]["newest_complete_step"]
+    assert newest >= 5
+    from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+    from elastic.rendezvous.keys import RunKeys
+
+    with EtcdClient(EtcdOptions(parse_endpoints(job.endpoint)[0])) as client:
+        commits = client.range(RunKeys("/elastic", job.run_id).root + b"commits/", prefix=True)
+    committed = {kv.key.decode().rsplit("-", 1)[1] for kv in commits.kvs}
+    assert str(newest) in committed, "every commit passes the round fence in etcd"
     table = run("-m", "elastic.cli", "status", "--etcd", job.endpoint, "--run-id", job.run_id)
     assert f"run {job.run_id}" in table.stdout and "world size 2" in table.stdout
     for node in nodes:

@@ -116,7 +116,7 @@ def test_refusing_fence_blocks_the_commit(tmp_path: Path) -> None:
     manager.save(1, _state(1.0), block=True)
     refuse = {"on": True}
 
-    def fence() -> None:
+    def fence(step: int) -> None:
         if refuse["on"]:
             raise RuntimeError("rendezvous round 3 is no longer current")
 
