@@ -36,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = get_args_parser()
     parser.prog = "elastic-agent"
     parser.set_defaults(rdzv_backend="etcd-v3")
-    args = parser.parse_args(argv)
+    flags = {o for a in parser._actions if a.nargs == 0 for o in a.option_strings}
+    args = parser.parse_args(translate_argv(list(sys.argv[1:] if argv is None else argv), flags))
     try:
         _preflight_worker_config(args)
     except ConfigError as exc:
@@ -57,6 +58,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as exc:
         return _fail(f"a worker failed: {exc.get_first_failure()[1].message}", EXIT_FAILED)
     return 0
+
+
+ALIASES = {"--etcd": "--rdzv-endpoint", "--run-id": "--rdzv-id", "--node-addr": "--local-addr"}
+
+
+def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
+    """Our spellings to torchrun's, and ``--config FILE`` (no script) to our CNN worker.
+
+    ``--etcd``, ``--run-id`` and ``--node-addr`` are ``--rdzv-endpoint``,
+    ``--rdzv-id`` and ``--local-addr``. Options before the first positional
+    argument belong to the agent; a ``--config`` among them, with no script
+    given, runs ``-m elastic.worker --config FILE`` with the remaining
+    ``section.key=value`` arguments. ``flags`` are the options that take no value.
+    """
+    out: list[str] = []
+    config: str | None = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ALIASES:
+            arg = ALIASES[name] + eq + value
+        elif name == "--config":
+            config = value if eq else argv[i + 1] if i + 1 < len(argv) else ""
+            i += 1 if eq else 2
+            continue
+        elif not arg.startswith("-") or arg in ("-m", "--module"):
+            out.extend(argv[i:])
+            break
+        takes_value = not eq and name not in flags and i + 1 < len(argv)
+        out.extend([arg, argv[i + 1]] if takes_value else [arg])
+        i += 2 if takes_value else 1
+    if config is not None:
+        rest = [a for a in argv if "=" in a and not a.startswith("-")]
+        out = [a for a in out if a not in rest]
+        out += ["-m", "elastic.worker", "--config", config, *rest]
+    return out
 
 
 def _preflight_worker_config(args: argparse.Namespace) -> None:

@@ -8,7 +8,10 @@ round moves on without anyone, and the live agents, no longer in the state,
 stop sending heartbeats and never notice. A node that joins later then waits
 forever in a round nobody else is in. Here, a node that finds it is no longer
 a participant of the round it joined reports "nodes waiting", so its agent
-restarts its workers and the whole group re-forms.
+restarts its workers and the whole group re-forms. Likewise when a *peer*
+vanishes from the round (its heartbeats expired: a crash, a cut link): the
+survivors re-form at once instead of blocking in a collective until its
+timeout.
 
 torch's join loop polls the state once a second while it waits for others.
 Here the wait is an etcd watch on the state key, started just after the
@@ -73,6 +76,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """DynamicRendezvousHandler that rejoins when dropped, and records each round as an event."""
 
     _joined_round: int | None = None
+    _peers: frozenset[object] | set[object] = frozenset()
     _reform_requested: bool = False
 
     def request_reform(self) -> None:
@@ -100,6 +104,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             _waiter.fn = None
         state = self._state_holder.state
         self._joined_round = state.round
+        self._peers = set(state.participants)
         self._publish_fence(state.round)
         events.emit(
             "rdzv.round",
@@ -151,7 +156,17 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return waiting
         state = self._state_holder.state
         if state.round == self._joined_round and self._this_node in state.participants:
-            return 0
+            gone = self._peers - set(state.participants)
+            if not gone:
+                return 0
+            # A peer's heartbeats expired (or it left): our collectives would only block
+            # until their timeout. Re-form now instead.
+            logger.warning("Peers %s of round %d are gone; re-forming the group.",
+                           sorted(map(str, gone)), self._joined_round)  # fmt: skip
+            events.emit("node.lost", run_id=self.get_run_id(), round=self._joined_round,
+                        nodes=sorted(map(str, gone)))  # fmt: skip
+            self._joined_round = None
+            return 1
         logger.warning(
             "The node '%s' is no longer a participant of round %d of the rendezvous '%s' "
             "(an etcd outage or missed heartbeats); it will rejoin.",

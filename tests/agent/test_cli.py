@@ -105,3 +105,22 @@ def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
                  "--run-id", "x")  # fmt: skip
     assert result.returncode == 1 and "Could not reach etcd" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--etcd", "h:1", "--run-id=j", "--nnodes=1:2", "--config", "c.yaml", "job.max_steps=5"],
+         ["--rdzv-endpoint", "h:1", "--rdzv-id=j", "--nnodes=1:2", "-m", "elastic.worker",
+          "--config", "c.yaml", "job.max_steps=5"]),
+        (["--etcd=h:1", "--standalone", "--node-addr", "10.0.0.2", "train.py", "--config", "x"],
+         ["--rdzv-endpoint=h:1", "--standalone", "--local-addr", "10.0.0.2", "train.py",
+          "--config", "x"]),
+        (["--etcd=h:1", "-m", "elastic.worker", "--config", "x", "a.b=1"],
+         ["--rdzv-endpoint=h:1", "-m", "elastic.worker", "--config", "x", "a.b=1"]),
+    ],
+)  # fmt: skip
+def test_agent_option_spellings(argv: list[str], expected: list[str]) -> None:
+    from agents.launch import translate_argv
+
+    assert translate_argv(argv, {"--standalone", "-m", "--module"}) == expected
