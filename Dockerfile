@@ -33,22 +33,31 @@ RUN if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then \
     fi && python3 -m venv /opt/venv
 
 WORKDIR /app
-# Dependencies first (one cached layer that only pyproject.toml or new wheels invalidate).
+# Dependencies first, in layers that change only when the wheels or the dependency list do:
+# torch (+ docker/wheelhouse/requirements.txt when a wheelhouse brings one), then whatever else
+# pyproject.toml lists (already satisfied in the offline build; from PyPI otherwise).
 COPY docker/wheelhouse/ /tmp/wheels/
-COPY pyproject.toml /tmp/pyproject.toml
 RUN set -eux; \
     pip install $PIP_ARGS --find-links /tmp/wheels --upgrade pip 'setuptools>=77' wheel; \
     pip install $PIP_ARGS --find-links /tmp/wheels --extra-index-url "$TORCH_INDEX_URL" torch torchvision; \
+    if [ -f /tmp/wheels/requirements.txt ]; then \
+        pip install $PIP_ARGS --find-links /tmp/wheels -r /tmp/wheels/requirements.txt; \
+    fi
+COPY pyproject.toml /tmp/pyproject.toml
+RUN set -eux; \
     python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' \
         > /tmp/requirements.txt; \
     pip install $PIP_ARGS --find-links /tmp/wheels -r /tmp/requirements.txt 's3fs>=2023.1'; \
     rm -rf /tmp/wheels /root/.cache
 
-# The project itself.
-COPY . /app
+# The project itself (configs/ stays in /app, the working directory: --config configs/...).
+COPY pyproject.toml README.md /app/
+COPY elastic /app/elastic
+COPY agents /app/agents
+COPY configs /app/configs
+COPY docker/entrypoint.sh /usr/local/bin/elastic-entrypoint
 RUN pip install --no-deps --no-build-isolation /app && rm -rf /app/build /app/*.egg-info \
-    && install -m 0755 /app/docker/entrypoint.sh /usr/local/bin/elastic-entrypoint \
-    && elastic-agent --help >/dev/null
+    && chmod 0755 /usr/local/bin/elastic-entrypoint && elastic-agent --help >/dev/null
 
 # One node's agent; the arguments are elastic-agent's (torchrun's) options and the worker.
 # The entrypoint adds --local-addr=<this container's IP> and execs elastic-agent as PID 1, so

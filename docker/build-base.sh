@@ -90,7 +90,7 @@ AGENT_TAG="$( (echo "$BASE_IMAGE $TORCH_SPEC $TORCHVISION_SPEC"; for f in "${FIL
 AGENT_IMAGE="elastic-agent:$AGENT_TAG"
 if ! have_image "$AGENT_IMAGE"; then
     WHEELS="$CACHE/wheelhouse"
-    stamp="$( (echo "$TORCH_SPEC $TORCHVISION_SPEC"; "$PY" - <<'PYEOF'
+    stamp="$( (echo "wheelhouse-v2 $TORCH_SPEC $TORCHVISION_SPEC"; "$PY" - <<'PYEOF'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(p["dependencies"]))
@@ -104,9 +104,12 @@ import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(d for d in p["dependencies"] if not d.startswith(("torch>", "torchvision>"))))
 PYEOF
+        echo 's3fs>=2023.1' >> "$CACHE/requirements.txt"
         "$PY" -m pip wheel --quiet --wheel-dir "$WHEELS" --prefer-binary \
             "$TORCH_SPEC" "$TORCHVISION_SPEC" -r "$CACHE/requirements.txt" \
-            's3fs>=2023.1' 'setuptools>=77' wheel pip >&2
+            'setuptools>=77' wheel pip >&2
+        # The image installs these in its torch layer, which then outlives pyproject.toml edits.
+        cp "$CACHE/requirements.txt" "$WHEELS/requirements.txt"
         touch "$WHEELS/.stamp-$stamp"
     fi
     log "docker build $AGENT_IMAGE (context: repo files + $(ls "$WHEELS" | wc -l) wheels)"
