@@ -1,0 +1,477 @@
+"""Recovery time after membership changes: our agent vs plain torchrun with ``c10d``, one run.
+
+Method. The same scenario runs under each launcher with the same worker
+(``elastic.worker``, ``configs/tiny.yaml``, ``job.min_step_s=0.25`` pacing,
+``checkpoint.interval=5``), ``--nnodes=1:3 --nproc-per-node=1``,
+``--max-restarts=10`` and ``--monitor-interval=0.3``, each run in its own temp
+dir with its own run id (and, for ours, its own etcd):
+
+1. nodes n1 and n2 start (n1 first; under c10d it hosts the rendezvous TCPStore,
+   and n2 starts once that store listens) and train to step 10;
+2. n3 joins (``join``; world 2 -> 3);
+3. n2 gets SIGTERM (``leave``, a planned leave; world 3 -> 2);
+4. n3 is killed with ``kill -9`` together with its worker (``kill``; world 2 -> 1).
+   Under c10d a non-host node is killed, so the job has a chance; killing the
+   store host is measured apart (``c10d_host_kill``, below).
+
+Between events the run trains 8 more steps. For each event, ``recover_s`` is
+the time from the event (``time.time()`` just before the node is started or
+signalled) to the ``ts`` of the first ``train.step`` event (written by rank 0
+when a step completes) at the new world size; ``steps_lost`` is the last step
+completed before the event minus (that first step - 1): steps that had to be
+redone after resuming from an older checkpoint. Phases, from the event log:
+``rdzv_s`` (our agent's ``rdzv.round``; not logged by torchrun), ``ckpt_load_s``
+(first ``ckpt.load`` after the event: the new workers started, imported torch,
+made their process group and loaded the checkpoint) and ``load_s`` (the load
+itself). An event that does not reach its world size within ``--event-timeout``
+is "not recovered" and ends that run (``ok: false``).
+
+Launchers. ``ours``: ``python -m agents.launch`` (etcd-v3 rendezvous) with
+``join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``.
+``c10d-tuned``: ``python -m torch.distributed.run --rdzv-backend=c10d`` with the
+same keep-alive and last-call settings. ``c10d-default`` (``--with-defaults``):
+torch's own timeouts (keep-alive 5 s x 3, last call 30 s). Both c10d variants
+run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (in torch 2.14.1 a join
+otherwise hangs). Under torchrun a peer's exit 75 (stop for a re-form) counts as
+a failure and spends a restart; ours re-forms without spending one.
+
+``c10d_host_kill``: n1 (store host) and n2 train, n1 is killed with ``kill -9``;
+reports whether n2 ever trains at world 1 (within ``--event-timeout``) and how
+its agent ended.
+
+Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--json-out PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from elastic import env, events  # noqa: E402
+from elastic.etcd_server import EtcdServer, free_port, start_etcd  # noqa: E402
+from elastic.procs import children, kill  # noqa: E402
+
+TUNED = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+OURS_CONF = f"join_timeout=120,{TUNED}"
+MIN_STEP_S = 0.25
+CKPT_INTERVAL = 5
+MAX_STEPS = 2000  # never reached: the bench stops the job after the last event
+STEPS_BETWEEN = 8
+
+
+class NotRecovered(Exception):
+    """An event's new world size never trained in time, or every agent exited."""
+
+
+@dataclass
+class Launcher:
+    """How one backend starts a node."""
+
+    name: str
+    rdzv_conf: str  # "" = torch's defaults
+    c10d: bool
+
+    def argv(self, endpoint: str, run_id: str, host: bool) -> list[str]:
+        conf = self.rdzv_conf
+        if self.c10d:
+            conf = ",".join(filter(None, [conf, f"is_host={str(host).lower()}"]))
+            head = ["-m", "torch.distributed.run", "--rdzv-backend=c10d"]
+        else:
+            head = ["-m", "agents.launch"]
+        return [
+            sys.executable, *head, "--nnodes=1:3", "--nproc-per-node=1",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            *([f"--rdzv-conf={conf}"] if conf else []), "--max-restarts=10",
+            "--monitor-interval=0.3", "--local-addr=127.0.0.1",
+        ]  # fmt: skip
+
+
+LAUNCHERS = {
+    "ours": Launcher("ours", OURS_CONF, c10d=False),
+    "c10d-tuned": Launcher("c10d-tuned", TUNED, c10d=True),
+    "c10d-default": Launcher("c10d-default", "", c10d=True),
+}
+
+
+@dataclass
+class Cluster:
+    """The nodes of one run, its event log, and cleanup of every process it started."""
+
+    launcher: Launcher
+    run_dir: Path
+    event_timeout: float
+    run_id: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:8]}")
+    endpoint: str = ""
+    etcd: EtcdServer | None = None
+    nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def event_log(self) -> Path:
+        return self.run_dir / "events.jsonl"
+
+    def open(self) -> None:
+        if self.launcher.c10d:
+            self.endpoint = f"127.0.0.1:{free_port()}"
+        else:
+            self.etcd = start_etcd(self.run_dir / "etcd")
+            self.endpoint = self.etcd.endpoint
+
+    def start(self, name: str, host: bool = False) -> None:
+        worker = [
+            "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
+            f"job.run_id={self.run_id}", f"job.max_steps={MAX_STEPS}", "job.log_every=1",
+            f"job.min_step_s={MIN_STEP_S}", f"checkpoint.url={self.run_dir / 'ckpt'}",
+            f"checkpoint.interval={CKPT_INTERVAL}",
+        ]  # fmt: skip
+        environ = {
+            **os.environ, env.EVENT_LOG: str(self.event_log), "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }  # fmt: skip
+        if self.launcher.c10d:
+            environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        argv = self.launcher.argv(self.endpoint, self.run_id, host) + worker
+        with open(self.run_dir / f"{name}.log", "wb") as log:
+            self.nodes[name] = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environ,
+                cwd=REPO,
+                start_new_session=True,
+            )
+
+    def wait_store(self, timeout: float = 120) -> None:
+        """Wait until the c10d TCPStore hosted by the first node accepts connections."""
+        host, port = self.endpoint.rsplit(":", 1)
+        self.wait_for(lambda: _listens(host, int(port)), "the c10d store", timeout)
+
+    def steps(self) -> list[dict[str, Any]]:
+        return events.read(self.event_log, "train.step")
+
+    def last_step(self) -> int:
+        return max((e["step"] for e in self.steps()), default=0)
+
+    def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise NotRecovered(f"timed out after {timeout:.0f} s waiting for {what}")
+            if all(p.poll() is not None for p in self.nodes.values()):
+                raise NotRecovered(f"every agent exited while waiting for {what}")
+            time.sleep(0.1)
+
+    def first_step_after(self, ts: float, world: int) -> dict[str, Any] | None:
+        later = (e for e in self.steps() if e["ts"] > ts and e["world_size"] == world)
+        return next(later, None)
+
+    def kill_node(self, name: str) -> None:
+        """kill -9 of a node: its agent and the agent's workers (found before the kill)."""
+        agent = self.nodes[name]
+        for pid in [agent.pid, *children(agent.pid)]:
+            kill(pid, signal.SIGKILL)
+        agent.wait()
+
+    def close(self) -> None:
+        for proc in self.nodes.values():
+            for pid in [*children(proc.pid), proc.pid]:
+                kill(pid, signal.SIGKILL)
+            proc.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+def _listens(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+MARKERS = {  # phase -> (log text, which occurrence in the window)
+    "noticed_s": ("will restart worker group|Stopping worker group|are gone; re-forming", "first"),
+    "rdzv_s": ("Rendezvous complete for workers", "last"),
+    "workers_started_s": ("Starting worker group", "last"),
+    "worker_ready_s": ("Worker start: world size", "last"),
+}
+TORCH_TS = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) ")
+WORKER_TS = re.compile(r"^(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d),(\d{3}) ")
+
+
+def _line_ts(line: str) -> float | None:
+    """The wall-clock time of a torch (glog style) or worker log line, local time."""
+    if m := TORCH_TS.match(line):
+        month, day, hour, minute, sec = m.groups()
+        stamp = datetime(datetime.now().year, int(month), int(day), int(hour), int(minute))
+        return stamp.timestamp() + float(sec)
+    if m := WORKER_TS.match(line):
+        y, mo, d, h, mi, s, ms = map(int, m.groups())
+        return datetime(y, mo, d, h, mi, s).timestamp() + ms / 1000
+    return None
+
+
+def _log_phases(cluster: Cluster, t0: float, t1: float) -> dict[str, float]:
+    """Seconds from the event to each marker of :data:`MARKERS` in the agents' logs."""
+    hits: dict[str, list[float]] = {k: [] for k in MARKERS}
+    for log in cluster.run_dir.glob("n*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            ts = _line_ts(line)
+            if ts is None or not t0 < ts <= t1:
+                continue
+            for phase, (pattern, _) in MARKERS.items():
+                if re.search(pattern, line):
+                    hits[phase].append(ts)
+    out = {}
+    for phase, (_, which) in MARKERS.items():
+        if hits[phase]:
+            ts = min(hits[phase]) if which == "first" else max(hits[phase])
+            out[phase] = round(ts - t0, 2)
+    return out
+
+
+def _phases(cluster: Cluster, t0: float, first: dict[str, Any]) -> dict[str, float]:
+    """Where the recovery time went: log markers, checkpoint load, the training pause."""
+    out = _log_phases(cluster, t0, first["ts"])
+    log = events.read(cluster.event_log)
+    loads = [e for e in log if e["kind"] == "ckpt.load" and t0 < e["ts"] <= first["ts"]]
+    if loads:
+        out["ckpt_loaded_s"] = round(max(e["ts"] for e in loads) - t0, 2)
+        out["load_s"] = round(max(e["seconds"] for e in loads), 2)
+    before = [e["ts"] for e in log if e["kind"] == "train.step" and e["ts"] < first["ts"]]
+    if before:
+        out["pause_s"] = round(first["ts"] - max(before), 2)
+    return out
+
+
+def measure(
+    cluster: Cluster, kind: str, node: str, world: int, act: Callable[[], None]
+) -> dict[str, Any]:
+    """Run one event; wait for the first step at ``world``; return its figures."""
+    before = cluster.last_step()
+    t0 = time.time()
+    act()
+    entry: dict[str, Any] = {"kind": kind, "node": node, "world": world, "step_before": before}
+    try:
+        cluster.wait_for(
+            lambda: cluster.first_step_after(t0, world) is not None,
+            f"a step at world size {world}",
+            cluster.event_timeout,
+        )
+    except NotRecovered as exc:
+        entry.update(recover_s=None, steps_lost=None, error=str(exc))
+        return entry
+    first = cluster.first_step_after(t0, world)
+    assert first is not None
+    entry.update(recover_s=round(first["ts"] - t0, 2), first_step=first["step"],
+                 steps_lost=max(0, before - (first["step"] - 1)),
+                 **_phases(cluster, t0, first))  # fmt: skip
+    return entry
+
+
+def _train_more(cluster: Cluster, steps: int) -> None:
+    target = cluster.last_step() + steps
+    cluster.wait_for(lambda: cluster.last_step() >= target, f"step {target}", cluster.event_timeout)
+
+
+def _start_pair(cluster: Cluster) -> None:
+    """Start n1 (the c10d store host) then n2; train STEPS_BETWEEN steps at world size 2."""
+    cluster.start("n1", host=True)
+    if cluster.launcher.c10d:
+        cluster.wait_store()
+    cluster.start("n2")
+    cluster.wait_for(lambda: cluster.first_step_after(0, 2) is not None, "world size 2", 300)
+    _train_more(cluster, STEPS_BETWEEN)
+
+
+def scenario(cluster: Cluster) -> list[dict[str, Any]]:
+    """2 nodes train; n3 joins; n2 leaves by SIGTERM; n3 is killed with -9."""
+    _start_pair(cluster)
+    plan: list[tuple[str, str, int, Callable[[], None]]] = [
+        ("join", "n3", 3, lambda: cluster.start("n3")),
+        ("leave", "n2", 2, lambda: cluster.nodes["n2"].send_signal(signal.SIGTERM)),
+        ("kill", "n3", 1, lambda: cluster.kill_node("n3")),
+    ]
+    done: list[dict[str, Any]] = []
+    for kind, node, world, act in plan:
+        entry = measure(cluster, kind, node, world, act)
+        done.append(entry)
+        if entry["recover_s"] is None:
+            break
+        _train_more(cluster, STEPS_BETWEEN)
+    return done
+
+
+def host_kill(cluster: Cluster) -> dict[str, Any]:
+    """c10d: kill -9 the node hosting the rendezvous store; does the other carry on?"""
+    _start_pair(cluster)
+    entry = measure(cluster, "kill", "n1 (store host)", 1, lambda: cluster.kill_node("n1"))
+    survivor = cluster.nodes["n2"]
+    try:
+        code: int | None = survivor.wait(5 if entry["recover_s"] is not None else 60)
+    except subprocess.TimeoutExpired:
+        code = None
+    tail = (cluster.run_dir / "n2.log").read_text(errors="replace").strip().splitlines()
+    errors = [line for line in tail if "Error" in line or "error" in line]
+    entry.update(recovered=entry["recover_s"] is not None, survivor_exit_code=code,
+                 survivor_last_error=(errors[-1][:300] if errors else None))  # fmt: skip
+    return entry
+
+
+def run_one(
+    launcher: Launcher, base: Path, event_timeout: float, keep: bool, body: Callable[[Cluster], Any]
+) -> tuple[Any, Cluster, float, str | None]:
+    """Run ``body`` on a fresh cluster in its own dir; always kill what it started."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{launcher.name}-", dir=base))
+    cluster = Cluster(launcher, run_dir, event_timeout)
+    started = time.time()
+    result: Any = None
+    error = None
+    try:
+        cluster.open()
+        result = body(cluster)
+    except NotRecovered as exc:
+        error = str(exc)
+    finally:
+        cluster.close()
+        if not keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return result, cluster, round(time.time() - started, 1), error
+
+
+def scenario_result(launcher: Launcher, base: Path, args: argparse.Namespace) -> dict[str, Any]:
+    found, cluster, total, error = run_one(launcher, base, args.event_timeout, args.keep, scenario)
+    evs = found or []
+    ok = error is None and len(evs) == 3 and all(e["recover_s"] is not None for e in evs)
+    out = {"backend": launcher.name, "run_id": cluster.run_id, "events": evs, "ok": ok,
+           "total_s": total}  # fmt: skip
+    if error:
+        out["error"] = error
+    if args.keep:
+        out["dir"] = str(cluster.run_dir)
+    print(json.dumps(out), file=sys.stderr, flush=True)
+    return out
+
+
+def _median(results: list[dict[str, Any]], backend: str, kind: str) -> float | None:
+    vals = [e["recover_s"] for r in results if r["backend"] == backend for e in r["events"]
+            if e["kind"] == kind and e["recover_s"] is not None]  # fmt: skip
+    return round(statistics.median(vals), 2) if vals else None
+
+
+def summarize(results: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for backend in backends:
+        for kind in ("join", "leave", "kill"):
+            summary[f"median_{kind}_recover_s_{backend}"] = _median(results, backend, kind)
+    for kind in ("join", "leave", "kill"):
+        ours, base = (_median(results, b, kind) for b in ("ours", "c10d-tuned"))
+        ratio = round(ours / base, 2) if ours is not None and base else None
+        summary[f"{kind}_recovery_ratio_ours_over_c10d_tuned"] = ratio
+    return summary
+
+
+def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, bool]:
+    ratio = summary.get("kill_recovery_ratio_ours_over_c10d_tuned")
+    ours = [e for r in results if r["backend"] == "ours" for e in r["events"]]
+    planned = [e for e in ours if e["kind"] in ("join", "leave")]
+    all_ok = all(r["ok"] for r in results if r["backend"] == "ours")
+    return {
+        "kill_recovery_le_0.5x_tuned": ratio is not None and ratio <= 0.5,
+        "join_and_leave_lose_0_steps": bool(planned)
+        and all_ok
+        and all(e["steps_lost"] == 0 for e in planned),
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=1, help="runs of each scenario (default 1)")
+    p.add_argument(
+        "--with-defaults",
+        action="store_true",
+        help="also run c10d with torch's default timeouts (~50 s per event)",
+    )
+    p.add_argument(
+        "--backends", default="ours,c10d-tuned", help="comma list of ours, c10d-tuned, c10d-default"
+    )
+    p.add_argument("--no-host-kill", action="store_true", help="skip the c10d host-kill run")
+    p.add_argument(
+        "--event-timeout",
+        type=float,
+        default=120.0,
+        help="seconds an event may take before it counts as not recovered",
+    )
+    p.add_argument("--keep", action="store_true", help="keep run dirs (logs, event logs)")
+    p.add_argument("--json-out", type=Path, help="also write the JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    backends = args.backends.split(",")
+    if args.with_defaults and "c10d-default" not in backends:
+        backends.append("c10d-default")
+    import torch
+
+    base = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    results: list[dict[str, Any]] = []
+    host: list[dict[str, Any]] = []
+    try:
+        for _ in range(args.repeats):
+            results += [scenario_result(LAUNCHERS[b], base, args) for b in backends]
+        if not args.no_host_kill:
+            found, cluster, _, error = run_one(LAUNCHERS["c10d-tuned"], base, args.event_timeout,
+                                               args.keep, host_kill)  # fmt: skip
+            host.append(found or {"recovered": False, "error": error, "run_id": cluster.run_id})
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    summary = summarize(results, backends)
+    report = {
+        "torch": torch.__version__,
+        "scenario": {
+            "nodes": "n1+n2 train; n3 joins (->3); n2 SIGTERM (->2); n3 kill -9 (->1)",
+            "worker": "elastic.worker configs/tiny.yaml", "min_step_s": MIN_STEP_S,
+            "checkpoint_interval": CKPT_INTERVAL, "steps_between_events": STEPS_BETWEEN,
+            "launcher_flags": "--nnodes=1:3 --nproc-per-node=1 --max-restarts=10 "
+                              "--monitor-interval=0.3",
+            "rdzv_conf": {b: LAUNCHERS[b].rdzv_conf or "torch defaults" for b in backends},
+            "c10d_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+            "c10d_kill_target": "a non-host node (the store host's kill: c10d_host_kill)",
+            "repeats": args.repeats, "cpus": os.cpu_count(),
+        },
+        "results": results,
+        "successes": {b: {"runs": sum(r["backend"] == b for r in results),
+                          "ok": sum(r["ok"] for r in results if r["backend"] == b)}
+                      for b in backends},
+        "c10d_host_kill": host,
+        "summary": summary,
+        "goals": goals(results, summary),
+    }  # fmt: skip
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
