@@ -58,6 +58,7 @@ class EtcdServer:
         data_dir: the member's data directory (kept across restarts).
         name: member name.
         client_port / peer_port: chosen from the OS when 0.
+        host: the address to listen on (loopback unless a test gives a bridge address).
         cluster: ``name=peer-url,...`` of every member; this member alone when empty.
         extra: more command-line flags (TLS, for example).
     """
@@ -69,6 +70,7 @@ class EtcdServer:
     cluster: str = ""
     extra: list[str] = field(default_factory=list)
     scheme: str = "http"
+    host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -77,14 +79,14 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     def command(self) -> list[str]:
-        client_url = f"{self.scheme}://127.0.0.1:{self.client_port}"
+        client_url = f"{self.scheme}://{self.host}:{self.client_port}"
         return [
             find_etcd(),
             f"--name={self.name}",

@@ -20,7 +20,16 @@ class Job:
         self.event_log = tmp / "events.jsonl"
         self.nodes: dict[str, Node] = {}
 
-    def start(self, name: str, nnodes: str = "1:3", max_restarts: int = 3, **cfg: Any) -> Node:
+    def start(
+        self,
+        name: str,
+        nnodes: str = "1:3",
+        max_restarts: int = 3,
+        netns: str | None = None,
+        addr: str = "127.0.0.1",
+        **cfg: Any,
+    ) -> Node:
+        """Start one agent (inside network namespace ``netns`` when given)."""
         overrides = {
             "job.run_id": self.run_id, "job.max_steps": self.max_steps, "job.log_every": 1,
             "job.min_step_s": 0.25,
@@ -30,11 +39,14 @@ class Job:
             PYTHON, "-m", "agents.launch", f"--nnodes={nnodes}", "--nproc-per-node=1",
             f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
             f"--rdzv-conf={FAST_CONF}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.3", "--local-addr=127.0.0.1",
+            "--monitor-interval=0.3", f"--local-addr={addr}",
             "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
             *(f"{k}={v}" for k, v in overrides.items()),
         ]  # fmt: skip
         environ = node_env(**{env.EVENT_LOG: str(self.event_log)})
+        if netns:
+            argv = ["ip", "netns", "exec", netns, *argv]
+            environ["GLOO_SOCKET_IFNAME"] = "eth0"
         self.nodes[name] = Node(name, argv, self.tmp, environ)
         return self.nodes[name]
 
