@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except (ElasticError, RendezvousError) as exc:
-        return _fail(str(exc), EXIT_FAILED)
+        return _fail(_describe(exc), EXIT_FAILED)
     except ChildFailedError as exc:
         return _fail(f"a worker failed: {exc.get_first_failure()[1].message}", EXIT_FAILED)
     return 0
@@ -110,6 +110,23 @@ def _preflight_worker_config(args: argparse.Namespace) -> None:
     at = worker_args.index("--config")
     overrides = [a for a in worker_args[at + 2 :] if "=" in a]
     load_config(worker_args[at + 1], overrides)
+
+
+def _describe(exc: BaseException) -> str:
+    """torch raises some rendezvous errors without a message: say what they mean."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousTimeoutError,
+    )
+
+    if str(exc):
+        return str(exc)
+    if isinstance(exc, RendezvousTimeoutError):
+        return ("the rendezvous did not complete within join_timeout (too few nodes came, or "
+                "the job had already finished); check --nnodes and the other agents.")  # fmt: skip
+    if isinstance(exc, RendezvousClosedError):
+        return "the job's rendezvous is closed (the job finished or was shut down)."
+    return type(exc).__name__
 
 
 def _fail(message: str, code: int) -> int:

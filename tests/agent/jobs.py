@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ FAST_CONF = "join_timeout=90,last_call_timeout=1,keep_alive_interval=1,keep_aliv
 class Job:
     """Agents of one run, its event log and checkpoints, and cleanup of every process."""
 
-    def __init__(self, tmp: Path, endpoint: str, run_id: str, max_steps: int = 60) -> None:
+    def __init__(self, tmp: Path, endpoint: str, run_id: str, max_steps: int = 100) -> None:
         self.tmp, self.endpoint, self.run_id, self.max_steps = tmp, endpoint, run_id, max_steps
         self.event_log = tmp / "events.jsonl"
         self.nodes: dict[str, Node] = {}
@@ -32,7 +33,7 @@ class Job:
         """Start one agent (inside network namespace ``netns`` when given)."""
         overrides = {
             "job.run_id": self.run_id, "job.max_steps": self.max_steps, "job.log_every": 1,
-            "job.min_step_s": 0.25,
+            "job.min_step_s": 0.25, "job.sample_ledger": True,
             "checkpoint.url": self.tmp / "ckpt", "checkpoint.interval": 5, **cfg,
         }  # fmt: skip
         argv = [
@@ -66,6 +67,45 @@ class Job:
         return {e["pid"] for e in read_jsonl(self.event_log) if "pid" in e} - {
             n.pid for n in self.nodes.values()
         }
+
+    def final_model(self, url: Path | None = None, run_id: str | None = None) -> dict[str, Any]:
+        """The model state of the newest complete checkpoint."""
+        import torch.distributed.checkpoint as dcp
+
+        from elastic.checkpoint import find_latest_complete
+        from elastic.checkpoint.storage import make_reader
+        from elastic.config import load_config
+        from elastic.model import build_model
+
+        info = find_latest_complete(str(url or self.tmp / "ckpt"), run_id or self.run_id)
+        assert info is not None and info.step == self.max_steps, info
+        cfg = load_config(REPO / "configs" / "tiny.yaml", [])
+        state = {"model": build_model(cfg.model).state_dict()}
+        dcp.load(state, storage_reader=make_reader(info.url))
+        return state["model"]
+
+    def reference_model(self) -> dict[str, Any]:
+        """Train the same job fault-free in one process (world 1) and return its model."""
+        url = self.tmp / "reference"
+        argv = [PYTHON, "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
+                f"job.run_id={self.run_id}", f"job.max_steps={self.max_steps}",
+                f"checkpoint.url={url}", "checkpoint.interval=1000"]  # fmt: skip
+        environ = {k: v for k, v in node_env().items() if k != env.EVENT_LOG}
+        subprocess.run(argv, env=environ, cwd=REPO, check=True, capture_output=True, timeout=300)
+        return self.final_model(url)
+
+    def ledger(self) -> list[int]:
+        """Sample indices of the trajectory that survived (a redone step replaces the old)."""
+        per_step: dict[tuple[int, int], list[int]] = {}
+        for e in self.events("train.samples"):
+            per_step[(e["step"], e["rank"], e["world_size"])] = e["indices"]
+        latest: dict[int, tuple[int, list[int]]] = {}
+        for (step, _rank, world), indices in per_step.items():
+            latest.setdefault(step, (world, []))
+            if latest[step][0] != world:
+                latest[step] = (world, [])
+            latest[step][1].extend(indices)
+        return [i for _, (_, indices) in sorted(latest.items()) for i in indices]
 
     def logs(self) -> str:
         return "\n".join(f"--- {n}\n{node.output()[-4000:]}" for n, node in self.nodes.items())
