@@ -7,7 +7,7 @@ Method. The same scenario runs under each launcher with the same worker
 dir with its own run id (and, for ours, its own etcd):
 
 1. nodes n1 and n2 start (n1 first; under c10d it hosts the rendezvous TCPStore,
-   and n2 starts once that store listens) and train to step 10;
+   and n2 starts once that store listens) and train 8 steps at world size 2;
 2. n3 joins (``join``; world 2 -> 3);
 3. n2 gets SIGTERM (``leave``, a planned leave; world 3 -> 2);
 4. n3 is killed with ``kill -9`` together with its worker (``kill``; world 2 -> 1).
@@ -19,11 +19,19 @@ the time from the event (``time.time()`` just before the node is started or
 signalled) to the ``ts`` of the first ``train.step`` event (written by rank 0
 when a step completes) at the new world size; ``steps_lost`` is the last step
 completed before the event minus (that first step - 1): steps that had to be
-redone after resuming from an older checkpoint. Phases, from the event log:
-``rdzv_s`` (our agent's ``rdzv.round``; not logged by torchrun), ``ckpt_load_s``
-(first ``ckpt.load`` after the event: the new workers started, imported torch,
-made their process group and loaded the checkpoint) and ``load_s`` (the load
-itself). An event that does not reach its world size within ``--event-timeout``
+redone after resuming from an older checkpoint. ``pause_s`` is the gap between
+the last step before the new world's first step and that step (training stood
+still that long; for a join it is shorter than ``recover_s``, since the old
+group trains while the new node starts). Phases, seconds from the event, read
+from the agents' and workers' logs (glog / ``logging`` timestamps, local time)
+and the event log: ``agent_up_s`` (a joining node's agent has imported torch and
+starts), ``noticed_s`` (first agent deciding to restart its workers),
+``worker_stopped_s`` (a stopping worker saved its checkpoint and returned),
+``rdzv_begin_s`` / ``rdzv_s`` (last agent entering / completing the new
+rendezvous round), ``workers_started_s`` (worker processes spawned),
+``worker_ready_s`` (rank 0 worker imported torch, made its process group and
+model), ``ckpt_loaded_s`` (last ``ckpt.load``; ``load_s`` is the load alone).
+An event that does not reach its world size within ``--event-timeout``
 is "not recovered" and ends that run (``ok: false``).
 
 Launchers. ``ours``: ``python -m agents.launch`` (etcd-v3 rendezvous) with
@@ -207,7 +215,10 @@ def _listens(host: str, port: int) -> bool:
 
 
 MARKERS = {  # phase -> (log text, which occurrence in the window)
+    "agent_up_s": ("starting workers for entrypoint", "first"),  # a joining node's agent
     "noticed_s": ("will restart worker group|Stopping worker group|are gone; re-forming", "first"),
+    "worker_stopped_s": ("Stopped at step", "last"),
+    "rdzv_begin_s": ("Rendezvous'ing worker group", "last"),
     "rdzv_s": ("Rendezvous complete for workers", "last"),
     "workers_started_s": ("Starting worker group", "last"),
     "worker_ready_s": ("Worker start: world size", "last"),
@@ -322,10 +333,12 @@ def scenario(cluster: Cluster) -> list[dict[str, Any]]:
 def host_kill(cluster: Cluster) -> dict[str, Any]:
     """c10d: kill -9 the node hosting the rendezvous store; does the other carry on?"""
     _start_pair(cluster)
+    killed_at = time.time()
     entry = measure(cluster, "kill", "n1 (store host)", 1, lambda: cluster.kill_node("n1"))
     survivor = cluster.nodes["n2"]
     try:
         code: int | None = survivor.wait(5 if entry["recover_s"] is not None else 60)
+        entry["survivor_exit_s"] = round(time.time() - killed_at, 1)
     except subprocess.TimeoutExpired:
         code = None
     tail = (cluster.run_dir / "n2.log").read_text(errors="replace").strip().splitlines()
