@@ -33,7 +33,7 @@ class Job:
         """Start one agent (inside network namespace ``netns`` when given)."""
         overrides = {
             "job.run_id": self.run_id, "job.max_steps": self.max_steps, "job.log_every": 1,
-            "job.min_step_s": 0.25, "job.sample_ledger": True,
+            "job.min_step_s": 0.4, "job.sample_ledger": True,
             "checkpoint.url": self.tmp / "ckpt", "checkpoint.interval": 5, **cfg,
         }  # fmt: skip
         argv = [
