@@ -28,6 +28,9 @@ TORCHVISION_SPEC="${ELASTIC_TORCHVISION_SPEC:-torchvision==0.29.1}"
 PY="${PYTHON:-python3}"
 BASE_PACKAGES="python3,python3-venv,ca-certificates"
 mkdir -p "$CACHE"
+# One build at a time per cache (CI, the test fixture and people may run this concurrently).
+exec 9>"$CACHE/.lock"
+flock 9
 "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' 2>/dev/null || {
     echo "build-base.sh needs \$PYTHON (default python3) to be Python 3.11, like the bookworm base" >&2; exit 1; }
 log() { echo "[build-base] $(date -u +%T) $*" >&2; }
@@ -122,9 +125,10 @@ PYEOF
     log "built $AGENT_IMAGE in $(( $(date +%s) - started ))s"
 fi
 docker tag "$AGENT_IMAGE" elastic-agent:local
-# Drop our older agent tags (their layers are mostly shared; the tags would pile up).
+# Drop our older agent tags beyond the 5 newest (a concurrent run may still be using a recent
+# one; images in use by a container are refused by `docker rmi` anyway).
 docker images --format '{{.Repository}}:{{.Tag}}' elastic-agent | grep -E '^elastic-agent:[0-9a-f]{16}$' \
-    | grep -vx "$AGENT_IMAGE" | xargs -r docker rmi >/dev/null 2>&1 || true
+    | grep -vx "$AGENT_IMAGE" | tail -n +5 | xargs -r docker rmi >/dev/null 2>&1 || true
 
 # --- 4. a moto S3 server for the s3 profile (MinIO's image needs a registry) ----------------
 MOTO_SPEC="${ELASTIC_MOTO_SPEC:-moto[server]>=5.0}"
