@@ -84,6 +84,7 @@ MIN_STEP_S = 0.25
 CKPT_INTERVAL = 5
 MAX_STEPS = 2000  # never reached: the bench stops the job after the last event
 STEPS_BETWEEN = 8
+KINDS = ("join", "leave", "kill")
 
 
 class NotRecovered(Exception):
@@ -294,6 +295,15 @@ def measure(
     entry.update(recover_s=round(first["ts"] - t0, 2), first_step=first["step"],
                  steps_lost=max(0, before - (first["step"] - 1)),
                  **_phases(cluster, t0, first))  # fmt: skip
+    return _derive(entry)
+
+
+def _derive(entry: dict[str, Any]) -> dict[str, Any]:
+    """Split ``recover_s``: the launcher's share (until the new workers were spawned), then
+    the workers' own start (import torch, process group, model, checkpoint, first step)."""
+    if entry.get("workers_started_s") is not None and entry.get("recover_s") is not None:
+        entry["launcher_s"] = entry["workers_started_s"]
+        entry["worker_start_s"] = round(entry["recover_s"] - entry["workers_started_s"], 2)
     return entry
 
 
@@ -383,21 +393,25 @@ def scenario_result(launcher: Launcher, base: Path, args: argparse.Namespace) ->
     return out
 
 
-def _median(results: list[dict[str, Any]], backend: str, kind: str) -> float | None:
-    vals = [e["recover_s"] for r in results if r["backend"] == backend for e in r["events"]
-            if e["kind"] == kind and e["recover_s"] is not None]  # fmt: skip
+def _median(results: list[dict[str, Any]], backend: str, kind: str, key: str) -> float | None:
+    vals = [e[key] for r in results if r["backend"] == backend for e in r["events"]
+            if e["kind"] == kind and e.get(key) is not None]  # fmt: skip
     return round(statistics.median(vals), 2) if vals else None
 
 
 def summarize(results: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
+    """Medians per backend and event of ``recover_s`` and of ``launcher_s`` (the time until
+    the new workers were spawned: what the agent and rendezvous control); ratios to c10d."""
     summary: dict[str, Any] = {}
-    for backend in backends:
-        for kind in ("join", "leave", "kill"):
-            summary[f"median_{kind}_recover_s_{backend}"] = _median(results, backend, kind)
-    for kind in ("join", "leave", "kill"):
-        ours, base = (_median(results, b, kind) for b in ("ours", "c10d-tuned"))
-        ratio = round(ours / base, 2) if ours is not None and base else None
-        summary[f"{kind}_recovery_ratio_ours_over_c10d_tuned"] = ratio
+    for key in ("recover_s", "launcher_s"):
+        for backend in backends:
+            for kind in KINDS:
+                summary[f"median_{kind}_{key}_{backend}"] = _median(results, backend, kind, key)
+    for key, name in (("recover_s", "recovery"), ("launcher_s", "launcher")):
+        for kind in KINDS:
+            ours, base = (_median(results, b, kind, key) for b in ("ours", "c10d-tuned"))
+            ratio = round(ours / base, 2) if ours is not None and base else None
+            summary[f"{kind}_{name}_ratio_ours_over_c10d_tuned"] = ratio
     return summary
 
 
@@ -434,31 +448,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--keep", action="store_true", help="keep run dirs (logs, event logs)")
     p.add_argument("--json-out", type=Path, help="also write the JSON here")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: one report over the results of these earlier outputs",
+    )
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    backends = args.backends.split(",")
-    if args.with_defaults and "c10d-default" not in backends:
-        backends.append("c10d-default")
+def report(
+    results: list[dict[str, Any]],
+    host: list[dict[str, Any]],
+    backends: list[str],
+    repeats: int,
+    load: list[float],
+) -> dict[str, Any]:
     import torch
 
-    base = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
-    results: list[dict[str, Any]] = []
-    host: list[dict[str, Any]] = []
-    try:
-        for _ in range(args.repeats):
-            results += [scenario_result(LAUNCHERS[b], base, args) for b in backends]
-        if not args.no_host_kill:
-            found, cluster, _, error = run_one(LAUNCHERS["c10d-tuned"], base, args.event_timeout,
-                                               args.keep, host_kill)  # fmt: skip
-            host.append(found or {"recovered": False, "error": error, "run_id": cluster.run_id})
-    finally:
-        if not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
     summary = summarize(results, backends)
-    report = {
+    return {
         "torch": torch.__version__,
         "scenario": {
             "nodes": "n1+n2 train; n3 joins (->3); n2 SIGTERM (->2); n3 kill -9 (->1)",
@@ -469,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             "rdzv_conf": {b: LAUNCHERS[b].rdzv_conf or "torch defaults" for b in backends},
             "c10d_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
             "c10d_kill_target": "a non-host node (the store host's kill: c10d_host_kill)",
-            "repeats": args.repeats, "cpus": os.cpu_count(),
+            "repeats": repeats, "cpus": os.cpu_count(), "loadavg_1min_start_end": load,
         },
         "results": results,
         "successes": {b: {"runs": sum(r["backend"] == b for r in results),
@@ -479,7 +489,48 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "goals": goals(results, summary),
     }  # fmt: skip
-    text = json.dumps(report, indent=2)
+
+
+def merged(paths: list[Path]) -> dict[str, Any]:
+    """One report over the results of earlier reports (more samples for the medians)."""
+    olds = [json.loads(p.read_text()) for p in paths]
+    results = [r for old in olds for r in old["results"]]
+    for r in results:
+        r["events"] = [_derive(e) for e in r["events"]]
+    backends = list(dict.fromkeys(r["backend"] for r in results))
+    load = [x for old in olds for x in old["scenario"].get("loadavg_1min_start_end", [])]
+    out = report(results, [h for old in olds for h in old["c10d_host_kill"]], backends,
+                 sum(old["scenario"]["repeats"] for old in olds), load)  # fmt: skip
+    out["merged_from"] = [str(p) for p in paths]
+    return out
+
+
+def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    results: list[dict[str, Any]] = []
+    host: list[dict[str, Any]] = []
+    load = [os.getloadavg()[0]]
+    try:
+        for _ in range(args.repeats):
+            results += [scenario_result(LAUNCHERS[b], base, args) for b in backends]
+        if not args.no_host_kill:
+            found, cluster, _, error = run_one(LAUNCHERS["c10d-tuned"], base, args.event_timeout,
+                                               args.keep, host_kill)  # fmt: skip
+            host.append(found or {"recovered": False, "error": error, "run_id": cluster.run_id})
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    load.append(os.getloadavg()[0])
+    return report(results, host, backends, args.repeats, load)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    backends = args.backends.split(",")
+    if args.with_defaults and "c10d-default" not in backends:
+        backends.append("c10d-default")
+    out = merged(args.merge) if args.merge else run_all(args, backends)
+    text = json.dumps(out, indent=2)
     print(text)
     if args.json_out:
         args.json_out.write_text(text + "\n")
