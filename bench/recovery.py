@@ -31,6 +31,9 @@ starts), ``noticed_s`` (first agent deciding to restart its workers),
 rendezvous round), ``workers_started_s`` (worker processes spawned),
 ``worker_ready_s`` (rank 0 worker imported torch, made its process group and
 model), ``ckpt_loaded_s`` (last ``ckpt.load``; ``load_s`` is the load alone).
+``launcher_s`` (= ``workers_started_s``) is the launcher's share and
+``worker_start_s`` the rest; ``rounds`` is the most rendezvous rounds any one
+node completed before the first step (more than 1: a spurious extra round).
 An event that does not reach its world size within ``--event-timeout``
 is "not recovered" and ends that run (``ok: false``).
 
@@ -243,7 +246,9 @@ def _line_ts(line: str) -> float | None:
 def _log_phases(cluster: Cluster, t0: float, t1: float) -> dict[str, float]:
     """Seconds from the event to each marker of :data:`MARKERS` in the agents' logs."""
     hits: dict[str, list[float]] = {k: [] for k in MARKERS}
+    rounds = 0  # rendezvous rounds one node went through: > 1 means a spurious round
     for log in cluster.run_dir.glob("n*.log"):
+        mine = 0
         for line in log.read_text(errors="replace").splitlines():
             ts = _line_ts(line)
             if ts is None or not t0 < ts <= t1:
@@ -251,7 +256,9 @@ def _log_phases(cluster: Cluster, t0: float, t1: float) -> dict[str, float]:
             for phase, (pattern, _) in MARKERS.items():
                 if re.search(pattern, line):
                     hits[phase].append(ts)
-    out = {}
+                    mine += phase == "rdzv_s"
+        rounds = max(rounds, mine)
+    out: dict[str, float] = {"rounds": rounds}
     for phase, (_, which) in MARKERS.items():
         if hits[phase]:
             ts = min(hits[phase]) if which == "first" else max(hits[phase])
