@@ -12,7 +12,7 @@ dir with its own run id (and, for ours, its own etcd):
 3. n2 gets SIGTERM (``leave``, a planned leave; world 3 -> 2);
 4. n3 is killed with ``kill -9`` together with its worker (``kill``; world 2 -> 1).
    Under c10d a non-host node is killed, so the job has a chance; killing the
-   store host is measured apart (``c10d_host_kill``, below).
+   store host is measured apart (``first_node_kill``, below).
 
 Between events the run trains 8 more steps. For each event, ``recover_s`` is
 the time from the event (``time.time()`` just before the node is started or
@@ -46,9 +46,9 @@ run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (in torch 2.14.1 a join
 otherwise hangs). Under torchrun a peer's exit 75 (stop for a re-form) counts as
 a failure and spends a restart; ours re-forms without spending one.
 
-``c10d_host_kill``: n1 (store host) and n2 train, n1 is killed with ``kill -9``;
-reports whether n2 ever trains at world 1 (within ``--event-timeout``) and how
-its agent ended.
+``first_node_kill``: n1 and n2 train, n1 (under c10d the store host) is killed
+with ``kill -9``, under c10d-tuned and, as a control, under ours; reports whether
+n2 ever trains at world 1 (within ``--event-timeout``) and how its agent ended.
 
 Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--json-out PATH]``
 """
@@ -348,10 +348,11 @@ def scenario(cluster: Cluster) -> list[dict[str, Any]]:
 
 
 def host_kill(cluster: Cluster) -> dict[str, Any]:
-    """c10d: kill -9 the node hosting the rendezvous store; does the other carry on?"""
+    """Kill -9 the first node (under c10d: the rendezvous store host); does the other go on?"""
     _start_pair(cluster)
+    label = "n1 (store host)" if cluster.launcher.c10d else "n1 (first node)"
     killed_at = time.time()
-    entry = measure(cluster, "kill", "n1 (store host)", 1, lambda: cluster.kill_node("n1"))
+    entry = measure(cluster, "kill", label, 1, lambda: cluster.kill_node("n1"))
     survivor = cluster.nodes["n2"]
     try:
         code: int | None = survivor.wait(5 if entry["recover_s"] is not None else 60)
@@ -446,7 +447,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--backends", default="ours,c10d-tuned", help="comma list of ours, c10d-tuned, c10d-default"
     )
-    p.add_argument("--no-host-kill", action="store_true", help="skip the c10d host-kill run")
+    p.add_argument(
+        "--no-host-kill",
+        action="store_true",
+        help="skip the first-node (c10d store host) kill runs",
+    )
     p.add_argument(
         "--event-timeout",
         type=float,
@@ -485,14 +490,14 @@ def report(
                               "--monitor-interval=0.3",
             "rdzv_conf": {b: LAUNCHERS[b].rdzv_conf or "torch defaults" for b in backends},
             "c10d_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-            "c10d_kill_target": "a non-host node (the store host's kill: c10d_host_kill)",
+            "c10d_kill_target": "a non-host node (the store host's kill: first_node_kill)",
             "repeats": repeats, "cpus": os.cpu_count(), "loadavg_1min_start_end": load,
         },
         "results": results,
         "successes": {b: {"runs": sum(r["backend"] == b for r in results),
                           "ok": sum(r["ok"] for r in results if r["backend"] == b)}
                       for b in backends},
-        "c10d_host_kill": host,
+        "first_node_kill": host,
         "summary": summary,
         "goals": goals(results, summary),
     }  # fmt: skip
@@ -506,7 +511,8 @@ def merged(paths: list[Path]) -> dict[str, Any]:
         r["events"] = [_derive(e) for e in r["events"]]
     backends = list(dict.fromkeys(r["backend"] for r in results))
     load = [x for old in olds for x in old["scenario"].get("loadavg_1min_start_end", [])]
-    out = report(results, [h for old in olds for h in old["c10d_host_kill"]], backends,
+    host = [h for old in olds for h in old.get("first_node_kill", old.get("c10d_host_kill", []))]
+    out = report(results, host, backends,
                  sum(old["scenario"]["repeats"] for old in olds), load)  # fmt: skip
     out["merged_from"] = [str(p) for p in paths]
     return out
@@ -520,10 +526,11 @@ def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
     try:
         for _ in range(args.repeats):
             results += [scenario_result(LAUNCHERS[b], base, args) for b in backends]
-        if not args.no_host_kill:
-            found, cluster, _, error = run_one(LAUNCHERS["c10d-tuned"], base, args.event_timeout,
+        for name in [] if args.no_host_kill else ["c10d-tuned", "ours"]:
+            found, cluster, _, error = run_one(LAUNCHERS[name], base, args.event_timeout,
                                                args.keep, host_kill)  # fmt: skip
-            host.append(found or {"recovered": False, "error": error, "run_id": cluster.run_id})
+            found = found or {"recovered": False, "error": error, "run_id": cluster.run_id}
+            host.append({"backend": name, **found})
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
