@@ -61,7 +61,8 @@ class Job:
         return self.events("train.step")
 
     def last_step(self) -> int:
-        return max((e["step"] for e in self.steps()), default=0)
+        steps = self.steps()  # the newest step, not the highest: a rollback goes back
+        return steps[-1]["step"] if steps else 0
 
     def worlds_after(self, ts: float) -> list[int]:
         return [e["world_size"] for e in self.steps() if e["ts"] > ts]

@@ -136,7 +136,8 @@ class Cluster:
         return self.events("train.step")
 
     def last_step(self) -> int:
-        return max((e["step"] for e in self.steps()), default=0)
+        steps = self.steps()  # the newest step, not the highest: a rollback goes back
+        return steps[-1]["step"] if steps else 0
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail=60", check=False).stdout[-12000:]
