@@ -1,10 +1,11 @@
 # The README's two commands: `make demo` (a local elastic run on an embedded etcd)
-# and `make test` (lint + the whole test suite). Both create .venv on first use.
+# and `make test` (lint, Docker for the compose test, the whole test suite). Both create
+# .venv on first use.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docker bench clean
 
 $(BIN)/elastic: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,7 +19,12 @@ demo: $(BIN)/elastic
 lint: $(BIN)/elastic
 	$(BIN)/ruff check elastic agents tests bench
 
-test: lint
+# The compose end-to-end test needs Docker: install it (apt, as root) and build the local
+# images when missing; idempotent and cached, seconds on a second run.
+docker:
+	bash .ci/docker-setup.sh
+
+test: lint docker
 	$(BIN)/python -m pytest
 
 bench: $(BIN)/elastic
