@@ -11,13 +11,15 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from elastic.events import read as read_events
+from tests.helpers import wait_until as _wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -34,14 +36,7 @@ def run(cmd: list[str], timeout: float = 120, check: bool = True,
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, every: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
+    return _wait_until(predicate, timeout, what, every)
 
 
 def compose_cli() -> list[str]:
@@ -120,17 +115,7 @@ class Cluster:
         return json.loads(run(["docker", "inspect", container]).stdout)[0]
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        if not self.event_log.exists():
-            return []
-        out = []
-        for line in self.event_log.read_text().splitlines():
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if kind is None or event.get("kind") == kind:
-                out.append(event)
-        return out
+        return read_events(self.event_log, kind)
 
     def steps(self) -> list[dict[str, Any]]:
         return self.events("train.step")
