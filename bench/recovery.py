@@ -181,7 +181,8 @@ class Cluster:
         return events.read(self.event_log, "train.step")
 
     def last_step(self) -> int:
-        return max((e["step"] for e in self.steps()), default=0)
+        steps = self.steps()  # the newest step, not the highest: a rollback goes back
+        return steps[-1]["step"] if steps else 0
 
     def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

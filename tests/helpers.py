@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -12,6 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from elastic.procs import kill as kill_pid  # noqa: F401  (re-exported for the tests)
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
@@ -55,10 +56,6 @@ def pid_alive(pid: int) -> bool:
         return False
     return state != "Z"
 
-
-def kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
 
 
 class Node:
