@@ -18,13 +18,14 @@ Three additions, both small hooks into torch's agent:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic import events, exitcodes
+from elastic import env, events, exitcodes
 from elastic.rendezvous.dynamic import EtcdRendezvousHandler
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,14 @@ class NodeAgent(LocalElasticAgent):
     def _handler(self) -> EtcdRendezvousHandler | None:
         handler = self._worker_group.spec.rdzv_handler
         return handler if isinstance(handler, EtcdRendezvousHandler) else None
+
+    def _set_local_rank_env(
+        self, worker_env: dict[str, str | None], local_rank: int, spec: Any
+    ) -> None:
+        super()._set_local_rank_env(worker_env, local_rank, spec)
+        # Set by the rendezvous after a warm worker's fork server took its environment.
+        if env.FENCE in os.environ:
+            worker_env[env.FENCE] = os.environ[env.FENCE]
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)

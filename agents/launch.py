@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config, cmd, cmd_args = config_from_args(args)
     except (AssertionError, ValueError) as exc:  # torchrun's checks of --nnodes and friends
         return _fail(f"{exc}; check the command-line options.", EXIT_USAGE)
+    entrypoint, cmd_args = _warm_entrypoint(args, config, cmd, cmd_args)
     try:
-        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
     except SignalException as exc:
         print(f"elastic-agent: left the job on {exc.sigval.name}.", file=sys.stderr)
         return 0
@@ -97,9 +99,26 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
     return out
 
 
+def _runs_our_worker(args: argparse.Namespace) -> bool:
+    return bool(args.module and args.training_script == "elastic.worker")
+
+
+def _warm_entrypoint(
+    args: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[str]
+) -> tuple[Any, list[str]]:
+    """Our worker forks from a fork server that has imported torch (see elastic.warm)."""
+    from elastic import warm
+
+    if not (_runs_our_worker(args) and warm.enabled()) or args.no_python:
+        return cmd, cmd_args
+    config.start_method = warm.START_METHOD
+    warm.start_server()
+    return warm.run_worker, list(args.training_script_args)
+
+
 def _preflight_worker_config(args: argparse.Namespace) -> None:
     """Validate our worker's config here, once, instead of in every worker and restart."""
-    if not (args.module and args.training_script == "elastic.worker"):
+    if not _runs_our_worker(args):
         return
     from elastic.config import load_config
     from elastic.errors import ConfigError

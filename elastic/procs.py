@@ -12,6 +12,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+WORKER_NAME = "elastic-worker"
 
 
 def children(pid: int) -> list[int]:
@@ -26,6 +28,30 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             kids.append(int(stat.parent.name))
     return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren ...), parents first."""
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [k for parent in frontier for k in children(parent)]
+        out.extend(kids)
+        frontier = kids
+    return out
+
+
+def name(pid: int) -> str:
+    """The process's short name (``/proc/PID/comm``); "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def set_name(title: str) -> None:
+    """Name this process (what ``ps -o comm`` and :func:`name` show; 15 bytes at most)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, title.encode()[:15], 0, 0, 0)
 
 
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -52,4 +78,4 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     return True
 
 
-__all__ = ["children", "die_with_parent", "kill"]
+__all__ = ["WORKER_NAME", "children", "descendants", "die_with_parent", "kill", "name", "set_name"]

@@ -34,7 +34,7 @@ from elastic.config import Config, DistributedConfig, JobConfig, load_config
 from elastic.data import build_dataset
 from elastic.errors import CheckpointError, ConfigError
 from elastic.model import build_model
-from elastic.procs import die_with_parent
+from elastic.procs import WORKER_NAME, die_with_parent, set_name
 from elastic.sampler import Cursor, ElasticSampler
 from elastic.train import StepResult, Trainer, build_optimizer, build_scheduler
 
@@ -49,6 +49,14 @@ class DistContext:
     world_size: int
     device: torch.device
     checkpoint_group: dist.ProcessGroup | None
+
+
+_stop_signals: list[int] = []  # the stop signals this process received
+
+
+def stopped_by_signal() -> bool:
+    """Whether SIGTERM/SIGINT stopped this process's training (it saved first)."""
+    return bool(_stop_signals)
 
 
 class _StopFlag:
@@ -72,6 +80,7 @@ class _StopFlag:
                        "again to stop at once).",
                        signal.Signals(signum).name)
         self.requested = True
+        _stop_signals.append(signum)
         signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
 
 
@@ -286,6 +295,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (torch elastic records uncaught errors)."""
     args = _parse(argv)
+    set_name(WORKER_NAME)
     if env.RUN_ID in os.environ:
         die_with_parent()  # never outlive the agent that started us (kill -9 of an agent)
     rank = os.environ.get(env.RANK, "0")

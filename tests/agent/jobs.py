@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic import env
+from elastic.procs import WORKER_NAME, descendants
+from elastic.procs import name as proc_name
 from tests.helpers import PYTHON, REPO, Node, kill_pid, node_env, pid_alive, read_jsonl
 
 # A small learning rate keeps float-summation differences between world sizes from growing
@@ -71,6 +73,10 @@ class Job:
         return {e["pid"] for e in read_jsonl(self.event_log) if "pid" in e} - {
             n.pid for n in self.nodes.values()
         }
+
+    def workers_of(self, name: str) -> list[int]:
+        """The live worker pids under node ``name``'s agent (however deep they sit)."""
+        return [p for p in descendants(self.nodes[name].pid) if proc_name(p) == WORKER_NAME]
 
     def final_model(self, url: Path | None = None, run_id: str | None = None) -> dict[str, Any]:
         """The model state of the newest complete checkpoint."""

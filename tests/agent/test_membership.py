@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastic.procs import children, kill
+from elastic.procs import descendants, kill
 from tests.agent.jobs import Job
 from tests.helpers import pid_alive, wait_until
 
@@ -72,14 +72,14 @@ def test_kill_9_of_an_agent_then_of_a_worker(job: Job) -> None:
     nodes = [job.start(n) for n in "abc"]
     wait_until(lambda: job.last_step() >= 8 and job.worlds_after(0)[-1] == 3, 150, "world 3")
     victim = nodes[1]
-    orphans = children(victim.pid)
-    assert orphans, "the agent must have a worker"
+    orphans = descendants(victim.pid)
+    assert job.workers_of("b"), "the agent must have a worker"
     killed_at = time.time()
     kill(victim.pid)  # kill -9 of an agent: its worker must not outlive it
     wait_until(lambda: not any(pid_alive(p) for p in orphans), 30, "the worker to die too")
     first_step_after(job, killed_at, 2)
 
-    worker = children(nodes[0].pid)[0]
+    worker = job.workers_of("a")[0]
     killed_at = time.time()
     kill(worker)  # kill -9 of a worker: its agent restarts it and the group re-forms
     first_step_after(job, killed_at, 2)
@@ -96,13 +96,13 @@ def test_restart_budget_is_kept_for_the_whole_job_in_etcd(job: Job) -> None:
 
     nodes = [job.start(n, max_restarts=1) for n in "ab"]
     wait_until(lambda: job.last_step() >= 6, 120, "step 6")
-    kill(children(nodes[0].pid)[0])  # failure 1 of a budget of 1: restart
+    kill(job.workers_of("a")[0])  # failure 1 of a budget of 1: restart
     killed_at = time.time()
     first_step_after(job, killed_at, 2)
     with EtcdClient(EtcdOptions(parse_endpoints(job.endpoint)[0])) as client:
         ledger = client.range(RunKeys("/elastic", job.run_id).restarts, prefix=True).kvs
     assert len(ledger) == 1, "both agents saw one failure: it must count once"
-    kill(children(nodes[1].pid)[0])  # failure 2: over the budget, the job stops
+    kill(job.workers_of("b")[0])  # failure 2: over the budget, the job stops
     codes = [node.wait(120) for node in nodes]
     assert all(code != 0 for code in codes), job.logs()
     used = [
