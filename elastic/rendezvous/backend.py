@@ -117,6 +117,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._client.txn([compare_absent(key)], [op_put(key, b"1", self._lease.id())], [])
         return self._client.range(self._keys.restarts, prefix=True, count_only=True).count
 
+    def publish_probe(self, node: str, port: int) -> None:
+        """Record the probe port of this agent's node (see :mod:`elastic.rendezvous.liveness`)."""
+        self._client.put(self._keys.probes + node.encode(), str(port).encode(), self._lease.id())
+
+    def probe_ports(self) -> dict[str, int]:
+        """Every published probe port, by node name."""
+        kvs = self._client.range(self._keys.probes, prefix=True).kvs
+        start = len(self._keys.probes)
+        return {kv.key[start:].decode(): int(kv.value) for kv in kvs if kv.value.isdigit()}
+
     def wait_for_change(self, token: Token, timeout: float) -> bool:
         """Block until the state changes after revision ``token`` (True) or ``timeout`` passes."""
         revision = _as_revision(token)

@@ -31,7 +31,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
@@ -47,6 +47,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic import env, events
+from elastic.rendezvous.backend import EtcdRendezvousBackend
+from elastic.rendezvous.liveness import DeathDetector, ProbeListener
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ _MIN_WAKE_GAP_S = 0.1  # a waiting node re-reads the state at most this often
 # Above this many nodes every change would wake every waiter (a herd that measured far
 # slower than torch's 1 s poll at 128 simulated nodes); fall back to the poll there.
 _MAX_WATCH_CROWD = 16
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat that has surely expired
 _waiter = threading.local()  # .fn: Callable[[float], None] while this thread joins
 _torch_delay: Callable[[float | tuple[float, float]], None] = dynamic_rendezvous._delay
 
@@ -78,6 +81,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _joined_round: int | None = None
     _peers: frozenset[object] | set[object] = frozenset()
     _reform_requested: bool = False
+    _listener: ProbeListener | None = None
+    _detector: DeathDetector | None = None
 
     def request_reform(self) -> None:
         """Make the agent re-rendezvous at its next check (a planned change of membership)."""
@@ -129,7 +134,39 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return None
         return record(self._joined_round)
 
+    def start_liveness(self) -> None:
+        """Listen on a probe port and publish it, so peers can prove this node dead fast."""
+        backend = self._state_holder._backend
+        if not isinstance(backend, EtcdRendezvousBackend):
+            return
+        self._listener = ProbeListener(self._this_node.addr)
+        backend.publish_probe(str(self._this_node), self._listener.port)
+        self._detector = DeathDetector(backend.probe_ports)
+
+    def _reap_dead_peers(self) -> bool:
+        """Remove peers whose agent is certainly gone (probe refused); True if any was."""
+        if self._detector is None:
+            return False
+        state = self._state_holder.state
+        late = datetime.now(timezone.utc) - self._settings.keep_alive_interval / 2
+        suspects = {str(n): n for n, beat in state.last_heartbeats.items()
+                    if n != self._this_node and beat < late}  # fmt: skip
+        dead = self._detector.dead([(name, n.addr) for name, n in suspects.items()])
+        if not dead:
+            return False
+        for name in dead:
+            state.last_heartbeats[suspects[name]] = _EPOCH
+        self._state_holder._sanitize()  # torch's own removal of expired nodes
+        self._state_holder.mark_dirty()
+        logger.warning("The agents of %s are gone (their probe ports refuse connections); "
+                       "removed them from the rendezvous without waiting for heartbeat expiry.",
+                       sorted(dead))  # fmt: skip
+        events.emit("node.dead", run_id=self.get_run_id(), nodes=sorted(dead), evidence="probe")
+        return True
+
     def _wait_for_state_change(self, seconds: float) -> None:
+        if self._reap_dead_peers():
+            return  # sync the removal now
         token = self._state_holder._token
         wait = getattr(self._state_holder._backend, "wait_for_change", None)
         state = self._state_holder.state
@@ -192,7 +229,7 @@ def build_handler(
     timeout = RendezvousTimeout(
         *(_timeout(params, name) for name in ("join", "last_call", "close", "heartbeat"))
     )
-    return EtcdRendezvousHandler.from_backend(
+    handler = EtcdRendezvousHandler.from_backend(
         params.run_id,
         store,
         backend,
@@ -203,6 +240,8 @@ def build_handler(
         keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
     )
+    handler.start_liveness()
+    return handler
 
 
 __all__ = ["EtcdRendezvousHandler", "build_handler"]

@@ -44,6 +44,11 @@ class RunKeys:
         return self.root + b"restarts/"
 
     @property
+    def probes(self) -> bytes:
+        """Prefix of each agent's probe port, by node name (see rendezvous.liveness)."""
+        return self.root + b"probes/"
+
+    @property
     def store(self) -> bytes:
         """Prefix of the c10d store's keys."""
         return self.root + b"store/"
