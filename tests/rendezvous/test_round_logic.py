@@ -1,0 +1,73 @@
+"""Pure logic of our rendezvous changes on torch's state objects (no etcd, frozen inputs)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta, timezone
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _DistributedRendezvousOpExecutor,
+    _NodeDesc,
+    _RendezvousJoinOp,
+    _RendezvousState,
+)
+
+from elastic.rendezvous.dynamic import WaitListExecutor
+
+
+class FakeHolder:
+    """A state holder with no backend: every sync is a no-op."""
+
+    def __init__(self, state: _RendezvousState) -> None:
+        self.state = state
+
+    def sync(self) -> None:
+        return None
+
+    def mark_dirty(self) -> None:
+        pass
+
+
+def settings(max_nodes: int) -> RendezvousSettings:
+    timeout = RendezvousTimeout(last_call=timedelta(seconds=1))
+    return RendezvousSettings("job", 1, max_nodes, timeout, timedelta(seconds=1), 3)
+
+
+def round_after_a_join(max_nodes: int) -> tuple[_RendezvousState, list[_NodeDesc]]:
+    """n1 is back in the new round, its last call over; n2 (a member of the old round) and
+    n3 (the joiner) are still on the wait list: they have not woken up in time."""
+    n1, n2, n3 = (_NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in (1, 2, 3))
+    now = datetime.now(timezone.utc)
+    state = _RendezvousState()
+    state.round = 2
+    state.participants = {n1: 0}
+    state.wait_list = {n2, n3}
+    state.last_heartbeats = {n: now for n in (n1, n2, n3)}
+    state.deadline = now - timedelta(seconds=0.1)
+    return state, [n1, n2, n3]
+
+
+def complete(executor_type: type, max_nodes: int) -> _RendezvousState:
+    state, (n1, _, _) = round_after_a_join(max_nodes)
+    executor = executor_type(n1, FakeHolder(state), settings(max_nodes))
+    executor.run(_RendezvousJoinOp(), time.monotonic() + 5)
+    assert state.complete
+    return state
+
+
+def test_torch_leaves_the_late_waiters_out_and_so_needs_another_round() -> None:
+    state = complete(_DistributedRendezvousOpExecutor, 3)
+    assert len(state.participants) == 1 and len(state.wait_list) == 2
+
+
+def test_completing_a_round_takes_in_the_wait_list() -> None:
+    state = complete(WaitListExecutor, 3)
+    assert sorted(state.participants.values()) == [0, 1, 2], "every node gets a rank"
+    assert not state.wait_list
+
+
+def test_the_wait_list_is_taken_in_only_up_to_max_nodes() -> None:
+    state = complete(WaitListExecutor, 2)
+    assert len(state.participants) == 2 and len(state.wait_list) == 1
