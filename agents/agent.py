@@ -89,11 +89,27 @@ class NodeAgent(LocalElasticAgent):
             raise
 
 
+class _ReformIsNotAFailure(logging.Filter):
+    """torch logs every non-zero worker exit as an error with a traceback; a worker that
+    exits 75 to re-form the group is expected, so say so in one line at INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg.startswith("failed (exitcode") and args and args[0] == REFORM_EXIT_CODE:
+            record.levelno, record.levelname, record.exc_info = logging.INFO, "INFO", None
+            record.msg, record.args = "Worker (pid %s) stopped for the group to re-form.", (
+                args[2],
+            )
+        return True
+
+
 def install() -> None:
     """Make torch's launcher build :class:`NodeAgent` (``launch_agent`` looks the name up)."""
+    from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.launcher import api as launcher_api
 
     launcher_api.LocalElasticAgent = NodeAgent  # type: ignore[misc]
+    mp_api.logger.addFilter(_ReformIsNotAFailure())
 
 
 __all__ = ["REFORM_EXIT_CODE", "NodeAgent", "install"]
