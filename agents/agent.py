@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -31,6 +32,7 @@ from elastic.rendezvous.dynamic import EtcdRendezvousHandler
 logger = logging.getLogger(__name__)
 
 REFORM_EXIT_CODE = exitcodes.REFORM
+LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit before SIGKILL
 
 
 class NodeAgent(LocalElasticAgent):
@@ -47,6 +49,19 @@ class NodeAgent(LocalElasticAgent):
         # Set by the rendezvous after a warm worker's fork server took its environment.
         if env.FENCE in os.environ:
             worker_env[env.FENCE] = os.environ[env.FENCE]
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        handler = self._handler()
+        if handler is not None and handler.peers_lost:
+            # A peer vanished mid-run: our workers are (or soon will be) blocked in a
+            # collective with it, where a stop request cannot reach them; they could only
+            # wait for the collective timeout. A worker that is already finishing (a peer's
+            # planned leave) exits well within the grace; the rest are killed after it.
+            logger.warning("A peer is gone: stopping the workers, killing them after %d s.",
+                           LOST_PEER_GRACE_S)  # fmt: skip
+            self._shutdown(death_sig=signal.SIGTERM, timeout=LOST_PEER_GRACE_S)
+            return
+        super()._stop_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)

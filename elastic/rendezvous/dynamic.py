@@ -105,6 +105,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _joined_round: int | None = None
     _peers: frozenset[object] | set[object] = frozenset()
     _reform_requested: bool = False
+    peers_lost: bool = False  # a peer of the current round vanished (its heartbeats expired)
     _listener: ProbeListener | None = None
     _detector: DeathDetector | None = None
 
@@ -126,6 +127,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
         self._reform_requested = False
+        self.peers_lost = False
         _waiter.fn = self._wait_for_state_change
         try:
             info = super().next_rendezvous()
@@ -227,6 +229,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             events.emit("node.lost", run_id=self.get_run_id(), round=self._joined_round,
                         nodes=sorted(map(str, gone)))  # fmt: skip
             self._joined_round = None
+            self.peers_lost = True
             return 1
         logger.warning(
             "The node '%s' is no longer a participant of round %d of the rendezvous '%s' "
