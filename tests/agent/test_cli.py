@@ -124,3 +124,35 @@ def test_agent_option_spellings(argv: list[str], expected: list[str]) -> None:
     from agents.launch import translate_argv
 
     assert translate_argv(argv, {"--standalone", "-m", "--module"}) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "warm_env", "warm"),
+    [
+        (["--config", "configs/tiny.yaml"], "1", True),
+        (["--config", "configs/tiny.yaml"], "0", False),
+        (["train.py", "--lr", "1"], "1", False),  # a user's script always starts fresh
+    ],
+)
+def test_only_our_worker_starts_warm(
+    argv: list[str], warm_env: str, warm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from agents.launch import _warm_entrypoint, translate_argv
+    from elastic import env
+    from elastic import warm as warm_module
+
+    started: list[bool] = []
+    monkeypatch.setattr(warm_module, "start_server", lambda: started.append(True))
+    monkeypatch.setenv(env.WARM_START, warm_env)
+    args = get_args_parser().parse_args(translate_argv(["--nnodes=1", *argv], set()))
+    config, cmd, cmd_args = config_from_args(args)
+    entrypoint, new_args = _warm_entrypoint(args, config, cmd, cmd_args)
+    assert (entrypoint is warm_module.run_worker) == warm
+    assert bool(started) == warm
+    assert config.start_method == ("forkserver" if warm else "spawn")
+    if warm:
+        assert new_args == ["--config", "configs/tiny.yaml"]
+    else:
+        assert (entrypoint, new_args) == (cmd, cmd_args)

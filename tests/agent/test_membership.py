@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastic.procs import descendants, kill
+from elastic.procs import children, descendants, kill
 from tests.agent.jobs import Job
 from tests.helpers import pid_alive, wait_until
 
@@ -80,6 +80,7 @@ def test_kill_9_of_an_agent_then_of_a_worker(job: Job) -> None:
     first_step_after(job, killed_at, 2)
 
     worker = job.workers_of("a")[0]
+    assert worker not in children(nodes[0].pid), "our worker forks from the warm fork server"
     killed_at = time.time()
     kill(worker)  # kill -9 of a worker: its agent restarts it and the group re-forms
     first_step_after(job, killed_at, 2)
