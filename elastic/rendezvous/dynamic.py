@@ -42,14 +42,15 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
+    RendezvousSettings,
     RendezvousTimeout,
-    _DistributedRendezvousOpExecutor,
     _RendezvousExitOp,
 )
 
 from elastic import env, events
 from elastic.rendezvous.backend import EtcdRendezvousBackend
 from elastic.rendezvous.liveness import DeathDetector, ProbeListener
+from elastic.rendezvous.rounds import ProbingStateHolder, WaitListExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -74,29 +75,6 @@ def _install_watch_delay() -> None:
     """Route torch's join-loop poll through :func:`_delay_or_watch` (idempotent)."""
     if dynamic_rendezvous._delay is not _delay_or_watch:
         dynamic_rendezvous._delay = _delay_or_watch
-
-
-class WaitListExecutor(_DistributedRendezvousOpExecutor):
-    """torch's op executor, except that completing a round takes in the wait list.
-
-    A node that arrives while a round is complete waits on the wait list; when the
-    round breaks up it must notice, wake and add itself as a participant before
-    the last call ends (1 s with tuned settings). On a loaded machine a waiter can
-    miss that: the round completes without it and it is still "waiting", which
-    forces one more re-form at once (measured: 2 of 5 joins, +15-25 s). Its
-    heartbeats are fresh (the state was just sanitized) and it asked to join, so
-    the node completing the round makes it a participant (up to ``max_nodes``);
-    on its next read it finds itself in the completed round and takes its rank.
-    """
-
-    def _mark_rendezvous_complete(self) -> None:
-        state = self._state
-        for node in sorted(state.wait_list):
-            if len(state.participants) >= self._settings.max_nodes:
-                break
-            state.wait_list.remove(node)
-            state.participants[node] = 0
-        super()._mark_rendezvous_complete()
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
@@ -168,6 +146,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._listener = ProbeListener(self._this_node.addr)
         backend.publish_probe(str(self._this_node), self._listener.port)
         self._detector = DeathDetector(backend.probe_ports)
+        if isinstance(self._state_holder, ProbingStateHolder):
+            self._state_holder.detector = self._detector
 
     def _reap_dead_peers(self) -> bool:
         """Remove peers whose agent is certainly gone (probe refused); True if any was."""
@@ -256,21 +236,21 @@ def build_handler(
     timeout = RendezvousTimeout(
         *(_timeout(params, name) for name in ("join", "last_call", "close", "heartbeat"))
     )
-    handler = EtcdRendezvousHandler.from_backend(
+    # torch's from_backend, with our state holder and op executor.
+    settings = RendezvousSettings(
         params.run_id,
-        store,
-        backend,
         params.min_nodes,
         params.max_nodes,
-        params.local_addr,
         timeout,
-        keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
+        keep_alive_interval=timedelta(seconds=params.get_as_int("keep_alive_interval", 5) or 5),
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
     )
-    handler._op_executor = WaitListExecutor(handler._this_node, handler._state_holder,
-                                            handler._settings)  # fmt: skip
+    node = EtcdRendezvousHandler._node_desc_generator.generate(params.local_addr)
+    holder = ProbingStateHolder(backend, settings)
+    handler = EtcdRendezvousHandler(node, settings, backend.name, store, holder)
+    handler._op_executor = WaitListExecutor(node, holder, settings)
     handler.start_liveness()
     return handler
 
 
-__all__ = ["EtcdRendezvousHandler", "WaitListExecutor", "build_handler"]
+__all__ = ["EtcdRendezvousHandler", "build_handler"]

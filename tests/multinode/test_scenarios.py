@@ -179,7 +179,7 @@ def test_kill_9_of_an_agent(job: Job, net: Net, reference: dict[str, Any]) -> No
     wait_for_world(job, 3, 8)
     seen = processes_under(job)
     victim = job.nodes[node_of_rank(job, 0)]
-    assert job.workers_of(victim.name), "The victim's agent must have a worker."
+    wait_until(lambda: job.workers_of(victim.name), 30, "a worker under the victim's agent")
     below = {(p, start_time(p)) for p in descendants(victim.pid)}
     killed_at = time.time()
     kill(victim.pid)
@@ -197,7 +197,7 @@ def test_kill_9_of_a_worker(job: Job, net: Net, reference: dict[str, Any]) -> No
     a, b = start_nodes(job, net, "ab")
     wait_for_world(job, 2, 8)
     seen = processes_under(job)
-    (worker,) = job.workers_of("b")
+    worker = wait_until(lambda: job.workers_of("b"), 30, "a worker under node b's agent")[0]
     killed_at = time.time()
     kill(worker)
     wait_until(lambda: not pid_alive(worker), 30, "the killed worker to be gone")

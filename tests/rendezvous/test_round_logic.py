@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic.rendezvous.dynamic import WaitListExecutor
+from elastic.rendezvous.rounds import ProbingStateHolder, WaitListExecutor
 
 
 class FakeHolder:
@@ -71,3 +71,43 @@ def test_completing_a_round_takes_in_the_wait_list() -> None:
 def test_the_wait_list_is_taken_in_only_up_to_max_nodes() -> None:
     state = complete(WaitListExecutor, 2)
     assert len(state.participants) == 2 and len(state.wait_list) == 1
+
+
+class FakeDetector:
+    def __init__(self, listening: set[str]) -> None:
+        self.listening = listening
+
+    def alive(self, nodes: list[tuple[str, str]]) -> list[str]:
+        return [name for name, _ in nodes if name in self.listening]
+
+
+def sanitized(ages_s: dict[int, float], listening: set[int]) -> _RendezvousState:
+    """Nodes 1..n with heartbeats ``ages_s`` old (window 1 s x 3), sanitized by our holder."""
+    nodes = {i: _NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in ages_s}
+    now = datetime.now(timezone.utc)
+    state = _RendezvousState()
+    state.participants = {n: 0 for n in nodes.values()}
+    state.last_heartbeats = {n: now - timedelta(seconds=ages_s[i]) for i, n in nodes.items()}
+    holder = ProbingStateHolder(None, settings(len(nodes)))  # type: ignore[arg-type]
+    holder._state = state
+    holder.detector = FakeDetector({str(nodes[i]) for i in listening})  # type: ignore[assignment]
+    holder._sanitize()
+    return state
+
+
+def test_a_late_node_that_answers_its_probe_is_kept_with_its_real_heartbeat() -> None:
+    state = sanitized({1: 0.5, 2: 4.0}, listening={1, 2})
+    assert len(state.participants) == 2
+    late = next(n for n in state.participants if n.pid == 102)
+    age = datetime.now(timezone.utc) - state.last_heartbeats[late]
+    assert age > timedelta(seconds=3.5), "the spared node's heartbeat must not be faked"
+
+
+def test_a_late_node_without_an_answer_is_dropped_as_torch_would() -> None:
+    state = sanitized({1: 0.5, 2: 4.0}, listening={1})
+    assert [n.pid for n in state.participants] == [101]
+
+
+def test_a_hung_node_that_still_listens_is_dropped_after_the_longer_window() -> None:
+    state = sanitized({1: 0.5, 2: 10.0}, listening={1, 2})  # 3 windows of 3 s have passed
+    assert [n.pid for n in state.participants] == [101]
