@@ -10,10 +10,11 @@ first or restarted, is then a ``fork()`` of that server: a few milliseconds.
 Forking after ``import torch`` is safe here: the server only imports (no CUDA
 context, no thread pool exists yet), as torch's own DataLoader workers rely on.
 
-Process tree and cleanup: agent -> fork server -> workers. The server exits
-when the agent dies (its pipe from the agent reaches EOF) and each worker asks
-Linux to kill it when the server dies (:func:`elastic.procs.die_with_parent`),
-so a ``kill -9`` of the agent still leaves no worker behind.
+Process tree and cleanup: agent -> fork server -> workers. The server asks
+Linux to kill it when the agent dies (:mod:`elastic.forkserver_init`; its own
+"alive" pipe is not enough, since the workers hold it too) and each worker asks
+the same of the server (:func:`elastic.procs.die_with_parent`), so a ``kill -9``
+of the agent still leaves no worker behind.
 
 Only our worker (``-m elastic.worker``) starts warm; a user's script runs as a
 fresh process exactly as under torchrun. ``ELASTIC_WARM_START=0`` turns this off.
@@ -35,7 +36,13 @@ logger = logging.getLogger(__name__)
 START_METHOD = "forkserver"
 WORKER_MODULE = "elastic.worker"
 # Imported once by the fork server; each worker then starts with them loaded.
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torchvision", WORKER_MODULE]
+PRELOAD = [
+    "elastic.forkserver_init",  # first: the server dies with the agent
+    "torch",
+    "torch.distributed.checkpoint",
+    "torchvision",
+    WORKER_MODULE,
+]
 
 
 def enabled() -> bool:

@@ -63,6 +63,16 @@ def test_join_then_planned_leave_lose_no_steps(job: Job) -> None:
     assert job.cleanup() == [], "no worker may outlive its agent"
 
 
+def test_kill_9_of_a_lone_agent_leaves_nothing_behind(job: Job) -> None:
+    """World 1: no collective fails to stop the worker; only the parent-death chain
+    (agent -> fork server -> worker) can. Before it, the worker trained on for good."""
+    agent = job.start("a", nnodes="1:1")
+    wait_until(lambda: job.workers_of("a") and job.last_step() >= 2, 120, "a training worker")
+    below = descendants(agent.pid)
+    kill(agent.pid)
+    wait_until(lambda: not any(pid_alive(p) for p in below), 5, "everything under the agent to die")
+
+
 def test_kill_9_of_an_agent_then_of_a_worker(job: Job) -> None:
     nodes = [job.start(n) for n in "abc"]
     wait_until(lambda: job.last_step() >= 8 and job.worlds_after(0)[-1] == 3, 150, "world 3")
@@ -71,7 +81,8 @@ def test_kill_9_of_an_agent_then_of_a_worker(job: Job) -> None:
     assert job.workers_of("b"), "the agent must have a worker"
     killed_at = time.time()
     kill(victim.pid)  # kill -9 of an agent: its worker must not outlive it
-    wait_until(lambda: not any(pid_alive(p) for p in orphans), 30, "the worker to die too")
+    # Killed by the kernel (parent-death signals), not by a collective failing later.
+    wait_until(lambda: not any(pid_alive(p) for p in orphans), 5, "the worker to die too")
     first_step_after(job, killed_at, 2)
 
     worker = job.workers_of("a")[0]

@@ -1,0 +1,14 @@
+"""Imported by the warm-start fork server as it starts (see :mod:`elastic.warm`): tie its
+life to the agent's.
+
+Python's fork server exits when every holder of its "alive" pipe has closed it, and every
+process it forks holds that pipe too. So after a ``kill -9`` of the agent its workers would
+keep the server alive, and the server (their parent) keeps them alive: a worker could go on
+training with its peers without an agent (seen: 3 s, until the rendezvous dropped the dead
+node). Asking Linux to kill the server when the agent dies breaks that loop; each worker
+in turn dies with the server.
+"""
+
+from elastic.procs import die_with_parent
+
+die_with_parent()
