@@ -23,6 +23,8 @@ EXIT_USAGE = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node's agent until its workers finish; return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _start_warm_server_early(argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -38,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.prog = "elastic-agent"
     parser.set_defaults(rdzv_backend="etcd-v3")
     flags = {o for a in parser._actions if a.nargs == 0 for o in a.option_strings}
-    args = parser.parse_args(translate_argv(list(sys.argv[1:] if argv is None else argv), flags))
+    args = parser.parse_args(translate_argv(argv, flags))
     try:
         _preflight_worker_config(args)
     except ConfigError as exc:
@@ -97,6 +99,20 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
         out = [a for a in out if a not in rest]
         out += ["-m", "elastic.worker", "--config", config, *rest]
     return out
+
+
+def _start_warm_server_early(argv: list[str]) -> None:
+    """Start the fork server before this process imports torch, so both imports overlap.
+
+    A guess from the raw arguments (our worker is named in them); :func:`_warm_entrypoint`
+    decides for real once they are parsed. A wrong guess costs one idle server.
+    """
+    from elastic import warm
+
+    before_script = argv[: next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))]
+    ours = "elastic.worker" in argv or any(a.partition("=")[0] == "--config" for a in before_script)
+    if ours and warm.enabled():
+        warm.start_server()
 
 
 def _runs_our_worker(args: argparse.Namespace) -> bool:

@@ -45,6 +45,9 @@ PRELOAD = [
 ]
 
 
+_started = False
+
+
 def enabled() -> bool:
     """Whether warm starts are on (``ELASTIC_WARM_START=0`` turns them off)."""
     return os.environ.get(env.WARM_START, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -56,6 +59,10 @@ def start_server() -> None:
     Returns at once; the first fork waits for the imports to finish. Call it
     before anything else starts (the server inherits this process's environment).
     """
+    global _started
+    if _started:
+        return
+    _started = True
     started = time.monotonic()
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
