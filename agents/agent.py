@@ -1,6 +1,6 @@
 """Our node agent: torch's LocalElasticAgent plus planned leave and re-form on request.
 
-Three additions, both small hooks into torch's agent:
+Small hooks into torch's agent:
 
 * **Re-form on request.** A worker that stops because a *peer* asked the group
   to stop (a planned leave elsewhere) exits with :data:`REFORM_EXIT_CODE`. The
@@ -13,6 +13,12 @@ Three additions, both small hooks into torch's agent:
   (ours finish the current step and write a checkpoint with their peers), then
   removes this node from the rendezvous at once instead of leaving the others
   to wait for its heartbeats to expire.
+* **Lost peers.** When a peer vanished from the round (a crash, a cut link) the
+  workers are stuck in a collective with it, out of reach of a stop request:
+  they get :data:`LOST_PEER_GRACE_S` to exit, then are killed, instead of
+  waiting for the collective timeout.
+* **The commit fence in the worker environment,** since warm workers fork from a
+  server that took the agent's environment before the rendezvous set it.
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ class _ReformIsNotAFailure(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        if record.msg.startswith("failed (exitcode") and args and args[0] == REFORM_EXIT_CODE:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith("failed (exitcode") and args and args[0] == REFORM_EXIT_CODE:
             record.levelno, record.levelname, record.exc_info = logging.INFO, "INFO", None
             record.msg, record.args = "Worker (pid %s) stopped for the group to re-form.", (
                 args[2],
