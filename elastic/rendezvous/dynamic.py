@@ -21,6 +21,11 @@ nodes it keeps torch's poll, which scales better than waking every waiter on
 every change. The hook
 replaces torch's module-level ``_delay`` but acts only in threads running our
 handler's join; every other caller keeps torch's plain sleep.
+
+While it waits, a node also probes peers whose heartbeats are late and removes
+those whose agent is certainly gone (:mod:`elastic.rendezvous.liveness`); the
+handler is built on the state holder and op executor of
+:mod:`elastic.rendezvous.rounds`.
 """
 
 from __future__ import annotations
