@@ -23,5 +23,6 @@ RUN_ID = "TORCHELASTIC_RUN_ID"
 EVENT_LOG = "ELASTIC_EVENT_LOG"  # path of the JSON-lines event log; unset = no file
 CONFIG_PREFIX = "ELASTIC_"  # ELASTIC_<SECTION>__<KEY>=value overrides a config field
 ETCD_BIN = "ELASTIC_ETCD_BIN"  # etcd binary for the embedded server and the tests
+FORK_SERVER_PID = "ELASTIC_FORK_SERVER_PID"  # set by the warm-start fork server for its workers
 WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (see elastic.warm)
 FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fencing)

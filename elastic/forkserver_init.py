@@ -9,6 +9,12 @@ node). Asking Linux to kill the server when the agent dies breaks that loop; eac
 in turn dies with the server.
 """
 
+import os
+
+from elastic import env
 from elastic.procs import die_with_parent
 
 die_with_parent()
+# Forked workers inherit this: they check that the server is still their parent when
+# they ask to die with it (it may have died between their fork and that request).
+os.environ[env.FORK_SERVER_PID] = str(os.getpid())

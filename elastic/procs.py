@@ -60,13 +60,14 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
         os.kill(pid, sig)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> bool:
     """Ask Linux to send ``sig`` to this process when its parent (the agent) dies.
 
     Returns False where that is not available (not Linux). If the parent is
-    already gone when this runs, the process ends at once.
+    already gone when this runs (``parent``: the pid it must be; by default the
+    parent at the time of the call), the process ends at once.
     """
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:

@@ -74,6 +74,11 @@ def run_worker(*argv: str) -> None:
     """The agent's entry point in a forked worker: ``python -m elastic.worker ARGV``."""
     from elastic.worker import main, stopped_by_signal
 
+    # As torchrun's workers: a session of our own (a Ctrl-C in the agent's terminal
+    # reaches the agent, which forwards it once; a second signal would stop us
+    # mid-step without a checkpoint), and output that is not held in a buffer.
+    os.setsid()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     code = main(list(argv))
     if code == exitcodes.OK and stopped_by_signal():
         # Stopped by a signal: whoever sent it waits for the process to end. A forked

@@ -297,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     set_name(WORKER_NAME)
     if env.RUN_ID in os.environ:
-        die_with_parent()  # never outlive the agent that started us (kill -9 of an agent)
+        # never outlive the agent (or the warm-start fork server) that started us
+        server = os.environ.get(env.FORK_SERVER_PID)
+        die_with_parent(parent=int(server) if server else None)
     rank = os.environ.get(env.RANK, "0")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")

@@ -49,13 +49,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     RendezvousSettings,
     RendezvousTimeout,
-    _RendezvousExitOp,
 )
 
 from elastic import env, events
 from elastic.rendezvous.backend import EtcdRendezvousBackend
 from elastic.rendezvous.liveness import DeathDetector, ProbeListener
-from elastic.rendezvous.rounds import ProbingStateHolder, WaitListExecutor
+from elastic.rendezvous.rounds import LeaveOp, ProbingStateHolder, WaitListExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +62,7 @@ _MIN_WAKE_GAP_S = 0.1  # a waiting node re-reads the state at most this often
 # Above this many nodes every change would wake every waiter (a herd that measured far
 # slower than torch's 1 s poll at 128 simulated nodes); fall back to the poll there.
 _MAX_WATCH_CROWD = 16
+_LATE = timedelta(seconds=1)  # a heartbeat older than this (or half the interval) is probed
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat that has surely expired
 _waiter = threading.local()  # .fn: Callable[[float], None] while this thread joins
 _torch_delay: Callable[[float | tuple[float, float]], None] = dynamic_rendezvous._delay
@@ -88,7 +88,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _joined_round: int | None = None
     _peers: frozenset[object] | set[object] = frozenset()
     _reform_requested: bool = False
-    peers_lost: bool = False  # a peer of the current round vanished (its heartbeats expired)
+    peers_lost: bool = False  # a peer left the current round (expired, reaped or left)
     _listener: ProbeListener | None = None
     _detector: DeathDetector | None = None
 
@@ -101,7 +101,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         started = time.monotonic()
         self._stop_heartbeats()
         with self._heartbeat_lock:
-            self._op_executor.run(_RendezvousExitOp(), time.monotonic() + timeout)
+            self._op_executor.run(LeaveOp(), time.monotonic() + timeout)
         events.emit("node.leave", run_id=self.get_run_id(), node=str(self._this_node),
                     seconds=round(time.monotonic() - started, 3))  # fmt: skip
         logger.info("The node '%s' left the rendezvous '%s' in %.2f s.", self._this_node,
@@ -119,6 +119,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         state = self._state_holder.state
         self._joined_round = state.round
         self._peers = set(state.participants)
+        self._verify_peers()
         self._publish_fence(state.round)
         events.emit(
             "rdzv.round",
@@ -148,18 +149,27 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         backend = self._state_holder._backend
         if not isinstance(backend, EtcdRendezvousBackend):
             return
-        self._listener = ProbeListener(self._this_node.addr)
+        self._listener = ProbeListener()
         backend.publish_probe(str(self._this_node), self._listener.port)
         self._detector = DeathDetector(backend.probe_ports)
         if isinstance(self._state_holder, ProbingStateHolder):
             self._state_holder.detector = self._detector
+
+    def _verify_peers(self) -> None:
+        """Probe the new round's peers once (they are alive now), in the background, so a
+        later refusal from one of them is trusted (see DeathDetector)."""
+        if self._detector is None:
+            return
+        peers = [(str(n), n.addr) for n in self._peers if n != self._this_node]
+        threading.Thread(target=self._detector.verify, args=(peers,), name="probe-verify",
+                         daemon=True).start()  # fmt: skip
 
     def _reap_dead_peers(self) -> bool:
         """Remove peers whose agent is certainly gone (probe refused); True if any was."""
         if self._detector is None:
             return False
         state = self._state_holder.state
-        late = datetime.now(timezone.utc) - self._settings.keep_alive_interval / 2
+        late = datetime.now(timezone.utc) - min(self._settings.keep_alive_interval / 2, _LATE)
         suspects = {str(n): n for n, beat in state.last_heartbeats.items()
                     if n != self._this_node and beat < late}  # fmt: skip
         dead = self._detector.dead([(name, n.addr) for name, n in suspects.items()])

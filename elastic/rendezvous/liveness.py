@@ -9,12 +9,13 @@ sockets. So every agent listens on a small TCP "probe" port on its node address
 and publishes the port in etcd. While a node waits in the rendezvous, it
 connects to each peer whose heartbeat is late:
 
-* connection refused: nothing listens there any more, the agent process is gone,
-  so the node is removed from the state at once;
+* connection refused, on a port that accepted before: nothing listens there any
+  more, the agent process is gone, so the node is removed from the state at once;
 * accepted: alive, wait as torch does;
 * no answer (timeout, unreachable host): unknown, wait for heartbeat expiry.
 
-Only a refusal acts, so a partition can never be mistaken for a death.
+Only a refusal acts, so a silent partition is never mistaken for a death (a
+firewall that actively rejects the port after it once accepted would be).
 
 The same evidence guards the other way: a node whose heartbeats are late only
 because its machine is overloaded (or etcd's disk is slow) still accepts on its
@@ -39,6 +40,7 @@ PROBE_TIMEOUT_S = 0.25
 SPARE_FACTOR = 3  # a late node that still accepts is kept for this many heartbeat windows
 _RETRY_UNKNOWN_S = 1.0  # a node that did not answer is probed again after this long
 _REMEMBER_ALIVE_S = 0.5  # an accepted probe stands for this long
+_MAX_PROBES = 8  # probes per call at most: a sync must not block on many silent peers
 
 
 def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool | None:
@@ -48,15 +50,20 @@ def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool | None
             return True
     except ConnectionRefusedError:
         return False
-    except OSError:
+    except (OSError, UnicodeError, ValueError):  # timeout, unreachable, a bad host name
         return None
 
 
 class ProbeListener:
-    """A listening socket that proves, by existing, that this agent is alive."""
+    """A listening socket that proves, by existing, that this agent is alive.
 
-    def __init__(self, host: str | None) -> None:
-        self._sock = _bind(host)
+    It listens on every interface (IPv6 and IPv4 where the host has both): the node
+    address peers use may resolve differently here (a hostname mapped to 127.0.1.1
+    in /etc/hosts, several interfaces).
+    """
+
+    def __init__(self) -> None:
+        self._sock = _bind_everywhere()
         self._sock.listen(64)
         self._thread = threading.Thread(target=self._serve, name="probe-listener", daemon=True)
         self._thread.start()
@@ -80,31 +87,48 @@ class ProbeListener:
             conn.close()
 
 
-def _bind(host: str | None) -> socket.socket:
-    """Bind port 0 on the node address; on every interface if that address is not local."""
-    for candidate in ([host] if host else []) + [""]:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def _bind_everywhere() -> socket.socket:
+    """A socket bound to port 0 on every interface: dual-stack if possible, else IPv4."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         try:
-            sock.bind((candidate, 0))
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", 0))
             return sock
         except OSError:
             sock.close()
-    raise OSError("could not bind a probe port")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("", 0))
+    return sock
 
 
 class DeathDetector:
     """Probes peers; answers which are certainly dead and which are certainly listening.
 
+    A refusal counts as death only from a port this detector has seen accept before
+    (:meth:`verify` after each round) and that is still the one the node publishes:
+    a port that never answered may be a wrong address or a firewall, not a death,
+    and a node restarted under the same name publishes a new port.
+
     Args:
         ports: returns the published probe port of every node (by node name),
-            read from etcd when a node's port is not yet known.
+            read from etcd when a node's port is not yet known or was refused.
     """
 
     def __init__(self, ports: Callable[[], dict[str, int]]) -> None:
         self._ports = ports
         self._known: dict[str, int] = {}
+        self._verified: set[tuple[str, int]] = set()  # (node, port) seen accepting
         self._unknown_until: dict[str, float] = {}
         self._alive_until: dict[str, float] = {}
+
+    def verify(self, nodes: list[tuple[str, str]]) -> None:
+        """Probe ``(name, host)`` peers once (live ones: a round just formed with them)."""
+        if any(name not in self._known for name, _ in nodes):
+            self._refresh()
+        for name, host in nodes:
+            if (name, self._known.get(name)) not in self._verified:
+                self._ask(name, host)
 
     def dead(self, nodes: list[tuple[str, str]]) -> list[str]:
         """Of ``(name, host)`` pairs, the names whose probe port refused a connection."""
@@ -126,15 +150,34 @@ class DeathDetector:
             else:
                 todo.append((name, host))
         if any(n not in self._known for n, _ in todo):
-            self._known.update(self._ports())
-        for name, host in todo:
-            port = self._known.get(name)
-            out[name] = answer = None if port is None else probe(host, port)
+            self._refresh()
+        for name, host in todo[:_MAX_PROBES]:
+            out[name] = answer = self._ask(name, host)
             if answer is None:
                 self._unknown_until[name] = now + _RETRY_UNKNOWN_S
             elif answer:
                 self._alive_until[name] = now + _REMEMBER_ALIVE_S
         return out
+
+    def _ask(self, name: str, host: str) -> bool | None:
+        port = self._known.get(name)
+        answer = None if port is None else probe(host, port)
+        if answer is False:  # certain only for the port the node still publishes
+            self._refresh()
+            if self._known.get(name) != port:
+                port = self._known.get(name)
+                answer = None if port is None else probe(host, port)
+        if answer is True:
+            self._verified.add((name, port))  # type: ignore[arg-type]
+        elif answer is False and (name, port) not in self._verified:
+            answer = None  # never seen accepting: maybe not reachable, not dead
+        return answer
+
+    def _refresh(self) -> None:
+        try:
+            self._known.update(self._ports())
+        except Exception as exc:  # etcd unreachable: probe with what is known
+            logger.debug("Could not read the probe ports: %s", exc)
 
 
 __all__ = ["PROBE_TIMEOUT_S", "SPARE_FACTOR", "DeathDetector", "ProbeListener", "probe"]

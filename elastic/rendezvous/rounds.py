@@ -9,12 +9,15 @@
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    _Action,
     _BackendRendezvousStateHolder,
     _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
 )
 
 from elastic.rendezvous.liveness import SPARE_FACTOR, DeathDetector
@@ -29,20 +32,40 @@ class WaitListExecutor(_DistributedRendezvousOpExecutor):
     round breaks up it must notice, wake and add itself as a participant before
     the last call ends (1 s with tuned settings). On a loaded machine a waiter can
     miss that: the round completes without it and it is still "waiting", which
-    forces one more re-form at once (measured: 2 of 5 joins, +15-25 s). Its
-    heartbeats are fresh (the state was just sanitized) and it asked to join, so
-    the node completing the round makes it a participant (up to ``max_nodes``);
-    on its next read it finds itself in the completed round and takes its rank.
+    forces one more re-form at once (measured: 2 of 5 joins, +15-25 s). It asked
+    to join, so the node completing the round makes it a participant (up to
+    ``max_nodes``, and only if it sent a heartbeat within two intervals); on its
+    next read it finds itself in the completed round and takes its rank.
     """
 
     def _mark_rendezvous_complete(self) -> None:
         state = self._state
+        recent = datetime.now(timezone.utc) - 2 * self._settings.keep_alive_interval
         for node in sorted(state.wait_list):
             if len(state.participants) >= self._settings.max_nodes:
                 break
+            if state.last_heartbeats.get(node, recent) < recent:
+                continue  # not heard from lately: it may have given up; let it rejoin itself
             state.wait_list.remove(node)
             state.participants[node] = 0
         super()._mark_rendezvous_complete()
+
+
+class LeaveOp:
+    """torch's exit op, also for a node that is only waiting to join (wait or redundancy
+    list), where torch's leaves it to block the next round until its heartbeats expire."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+        if ctx.node in state.participants:
+            action = _Action.REMOVE_FROM_PARTICIPANTS
+        elif ctx.node in state.wait_list:
+            action = _Action.REMOVE_FROM_WAIT_LIST
+        elif ctx.node in state.redundancy_list:
+            action = _Action.REMOVE_FROM_REDUNDANCY_LIST
+        else:
+            return _Action.FINISH
+        return _Action.ERROR_TIMEOUT if time.monotonic() > deadline else action
 
 
 class ProbingStateHolder(_BackendRendezvousStateHolder):
@@ -82,4 +105,4 @@ class ProbingStateHolder(_BackendRendezvousStateHolder):
         return [late[name] for name in alive]
 
 
-__all__ = ["ProbingStateHolder", "WaitListExecutor"]
+__all__ = ["LeaveOp", "ProbingStateHolder", "WaitListExecutor"]

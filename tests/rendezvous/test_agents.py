@@ -75,10 +75,10 @@ def test_kill_rank0_node(cluster: Cluster, etcd: EtcdServer, run_id: str, backen
 def test_a_killed_agent_is_removed_before_its_heartbeats_could_expire(
     cluster: Cluster, etcd: EtcdServer, run_id: str
 ) -> None:
-    """Heartbeats here expire 20-30 s after a kill (10 s x 3, the last beat up to 10 s old);
+    """Heartbeats here expire 40-60 s after a kill (20 s x 3, the last beat up to 20 s old);
     a refused probe port must remove the dead node well before that (elastic.rendezvous.liveness).
     """
-    conf = "join_timeout=60,last_call_timeout=1,keep_alive_interval=10,keep_alive_max_attempt=3"
+    conf = "join_timeout=90,last_call_timeout=1,keep_alive_interval=20,keep_alive_max_attempt=3"
     nodes = [cluster.start(n, etcd.endpoint, run_id, "1:2", conf=conf) for n in "ab"]
     formed = wait_until(lambda: len(cluster.formed(2)) == 2 and cluster.formed(2), 90, "2 ranks")
     killed_at = time.time()
@@ -86,7 +86,7 @@ def test_a_killed_agent_is_removed_before_its_heartbeats_could_expire(
     alone = wait_until(lambda: cluster.formed(1), 60, "the survivor to re-form alone")
     took = time.time() - killed_at  # includes a fresh worker's start (import torch)
     assert alone[0]["node"] == "a"
-    assert took < 18, f"re-formed {took:.1f} s after the kill: heartbeat expiry, not the probe"
+    assert took < 30, f"re-formed {took:.1f} s after the kill: heartbeat expiry, not the probe"
     cluster.stop()
     assert nodes[0].wait(60) == 0, cluster.logs()
 

@@ -9,7 +9,7 @@ from elastic.rendezvous.liveness import DeathDetector, ProbeListener, probe
 
 
 def test_a_listening_agent_is_alive_and_a_closed_one_refuses() -> None:
-    listener = ProbeListener("127.0.0.1")
+    listener = ProbeListener()
     port = listener.port
     assert probe("127.0.0.1", port) is True
     assert probe("127.0.0.1", port) is True, "the listener keeps accepting"
@@ -33,29 +33,45 @@ def test_no_answer_is_unknown_not_dead() -> None:
     try:
         host, port = silent.getsockname()
         answers = {probe(host, port, timeout=0.2) for _ in range(3)}
-        assert False not in answers, "a node that does not answer must never be judged dead"
+        assert answers == {None}, "no answer is unknown, never dead"
     finally:
         for s in filler:
             s.close()
         silent.close()
 
 
-def test_detector_reports_only_refusals_and_reads_ports_lazily() -> None:
-    alive = ProbeListener("127.0.0.1")
-    gone = ProbeListener("127.0.0.1")
-    ports = {"alive": alive.port, "gone": gone.port}
-    gone.close()
+def test_detector_trusts_a_refusal_only_from_a_port_that_accepted_before() -> None:
+    alive, gone, never = ProbeListener(), ProbeListener(), ProbeListener()
+    ports = {"alive": alive.port, "gone": gone.port, "never": never.port}
+    never.close()  # refuses from the start: a wrong address or a firewall, not a death
     reads: list[int] = []
 
     def lookup() -> dict[str, int]:
         reads.append(1)
-        return ports
+        return dict(ports)
 
     detector = DeathDetector(lookup)
-    nodes = [("alive", "127.0.0.1"), ("gone", "127.0.0.1"), ("unpublished", "127.0.0.1")]
+    nodes = [("alive", "127.0.0.1"), ("gone", "127.0.0.1"), ("never", "127.0.0.1")]
+    detector.verify(nodes)
+    gone.close()
     assert detector.dead(nodes) == ["gone"]
-    assert detector.dead([("alive", "127.0.0.1")]) == []
-    assert len(reads) == 1, "a known port is not read from etcd again"
-    assert detector.dead([("unpublished", "127.0.0.1")]) == []
-    assert len(reads) == 1, "a node without an answer is asked again only after a pause"
+    assert detector.alive([("alive", "127.0.0.1")]) == ["alive"]
     alive.close()
+
+
+def test_a_node_restarted_under_the_same_name_is_probed_on_its_new_port() -> None:
+    old, new = ProbeListener(), ProbeListener()
+    ports = {"n": old.port}
+    detector = DeathDetector(lambda: dict(ports))
+    detector.verify([("n", "127.0.0.1")])
+    old.close()
+    ports["n"] = new.port  # the new incarnation published its port
+    assert detector.dead([("n", "127.0.0.1")]) == [], "the live new incarnation is not dead"
+    new.close()
+
+
+def test_an_unreachable_etcd_makes_answers_unknown_not_an_error() -> None:
+    def broken() -> dict[str, int]:
+        raise RuntimeError("etcd is down")
+
+    assert DeathDetector(broken).dead([("n", "127.0.0.1")]) == []

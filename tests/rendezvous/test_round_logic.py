@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic.rendezvous.rounds import ProbingStateHolder, WaitListExecutor
+from elastic.rendezvous.rounds import LeaveOp, ProbingStateHolder, WaitListExecutor
 
 
 class FakeHolder:
@@ -111,3 +111,19 @@ def test_a_late_node_without_an_answer_is_dropped_as_torch_would() -> None:
 def test_a_hung_node_that_still_listens_is_dropped_after_the_longer_window() -> None:
     state = sanitized({1: 0.5, 2: 10.0}, listening={1, 2})  # 3 windows of 3 s have passed
     assert [n.pid for n in state.participants] == [101]
+
+
+def test_a_waiter_not_heard_from_lately_is_not_taken_in() -> None:
+    state, (n1, n2, _) = round_after_a_join(3)
+    state.last_heartbeats[n2] -= timedelta(seconds=2.5)  # within the expiry window, but quiet
+    executor = WaitListExecutor(n1, FakeHolder(state), settings(3))
+    executor.run(_RendezvousJoinOp(), time.monotonic() + 5)
+    assert state.complete and n2 in state.wait_list and len(state.participants) == 2
+
+
+def test_leaving_from_the_wait_list_removes_the_node() -> None:
+    state, (_, n2, n3) = round_after_a_join(3)
+    _DistributedRendezvousOpExecutor(n2, FakeHolder(state), settings(3)).run(
+        LeaveOp(), time.monotonic() + 5
+    )
+    assert state.wait_list == {n3} and n2 not in state.last_heartbeats
