@@ -212,9 +212,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return max(waiting, 1)
         if waiting or self._joined_round is None:
             return waiting
-        state = self._state_holder.state
-        if state.round == self._joined_round and self._this_node in state.participants:
-            gone = self._peers - set(state.participants)
+        with self._heartbeat_lock:  # the heartbeat thread's sync replaces and prunes it
+            state = self._state_holder.state
+            round_, participants = state.round, set(state.participants)
+        if round_ == self._joined_round and self._this_node in participants:
+            gone = self._peers - participants
             if not gone:
                 return 0
             # A peer's heartbeats expired (or it left): our collectives would only block
