@@ -16,25 +16,29 @@ _PR_SET_NAME = 15
 WORKER_NAME = "elastic-worker"
 
 
+def _parents() -> dict[int, int]:
+    """Every process's parent pid, from one pass over ``/proc``."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return parents
+
+
 def children(pid: int) -> list[int]:
     """PIDs whose parent is ``pid`` (torch starts workers in their own sessions, so a
     process group does not reach them)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
+    return [kid for kid, parent in _parents().items() if parent == pid]
 
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children, grandchildren ...), parents first."""
+    parents = _parents()  # one pass over /proc, not one per process of the tree
     out, frontier = [], [pid]
     while frontier:
-        kids = [k for parent in frontier for k in children(parent)]
+        kids = [k for k, parent in parents.items() if parent in frontier]
         out.extend(kids)
         frontier = kids
     return out
