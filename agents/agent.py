@@ -32,12 +32,12 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic import env, events, exitcodes
-from elastic.rendezvous.dynamic import EtcdRendezvousHandler
+from elastic import env, events, reform
+from elastic.rendezvous.handler import EtcdRendezvousHandler
 
 logger = logging.getLogger(__name__)
 
-REFORM_EXIT_CODE = exitcodes.REFORM
+REFORM_EXIT_CODE = reform.EXIT_CODE
 LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit before SIGKILL
 
 
@@ -63,8 +63,9 @@ class NodeAgent(LocalElasticAgent):
             # collective with it, where a stop request cannot reach them; they could only
             # wait for the collective timeout. A worker that is already finishing (a peer's
             # planned leave) exits well within the grace; the rest are killed after it.
-            logger.warning("A peer is gone: stopping the workers, killing them after %d s.",
-                           LOST_PEER_GRACE_S)  # fmt: skip
+            logger.warning(
+                "A peer is gone: stopping the workers, killing them after %d s.", LOST_PEER_GRACE_S
+            )
             self._shutdown(death_sig=signal.SIGTERM, timeout=LOST_PEER_GRACE_S)
             return
         super()._stop_workers(worker_group)
@@ -90,11 +91,19 @@ class NodeAgent(LocalElasticAgent):
         budget = self._worker_group.spec.max_restarts
         # torch restarts while _remaining_restarts > 0, then decrements it.
         self._remaining_restarts = budget - used + 1 if used <= budget else 0
-        events.emit("worker.restart", reason="failure", run_id=handler.get_run_id(),
-                    job_restarts_used=used, job_restart_budget=budget)  # fmt: skip
+        events.emit(
+            "worker.restart",
+            reason="failure",
+            run_id=handler.get_run_id(),
+            job_restarts_used=used,
+            job_restart_budget=budget,
+        )
         if used > budget:
-            logger.error("The job has failed %d times, over its budget of %d restarts; stopping.",
-                         used, budget)  # fmt: skip
+            logger.error(
+                "The job has failed %d times, over its budget of %d restarts; stopping.",
+                used,
+                budget,
+            )
 
     def run(self, role: str = "default") -> Any:
         try:
@@ -119,8 +128,9 @@ class _ReformIsNotAFailure(logging.Filter):
         msg = record.msg if isinstance(record.msg, str) else ""
         if msg.startswith("failed (exitcode") and args and args[0] == REFORM_EXIT_CODE:
             record.levelno, record.levelname, record.exc_info = logging.INFO, "INFO", None
-            record.msg, record.args = "Worker (pid %s) stopped for the group to re-form.", (
-                args[2],
+            record.msg, record.args = (
+                "Worker (pid %s) stopped for the group to re-form.",
+                (args[2],),
             )
         return True
 

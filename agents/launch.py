@@ -15,10 +15,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from elastic import reform
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+logger = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,11 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _preflight_worker_config(args)
     except ConfigError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+        return _fail(str(exc), reform.USAGE)
     try:
         config, cmd, cmd_args = config_from_args(args)
     except (AssertionError, ValueError) as exc:  # torchrun's checks of --nnodes and friends
-        return _fail(f"{exc}; check the command-line options.", EXIT_USAGE)
+        return _fail(f"{exc}; check the command-line options.", reform.USAGE)
     entrypoint, cmd_args = _warm_entrypoint(args, config, cmd, cmd_args)
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
@@ -56,11 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"elastic-agent: left the job on {exc.sigval.name}.", file=sys.stderr)
         return 0
     except ConfigError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+        return _fail(str(exc), reform.USAGE)
     except (ElasticError, RendezvousError) as exc:
-        return _fail(_describe(exc), EXIT_FAILED)
+        return _fail(_describe(exc), reform.FAILED)
     except ChildFailedError as exc:
-        return _fail(f"a worker failed: {exc.get_first_failure()[1].message}", EXIT_FAILED)
+        return _fail(f"a worker failed: {exc.get_first_failure()[1].message}", reform.FAILED)
     return 0
 
 
@@ -73,7 +72,7 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
     ``--etcd``, ``--run-id`` and ``--node-addr`` are ``--rdzv-endpoint``,
     ``--rdzv-id`` and ``--local-addr``. Options before the first positional
     argument belong to the agent; a ``--config`` among them, with no script
-    given, runs ``-m elastic.worker --config FILE`` with the remaining
+    given, runs ``-m elastic.training.worker --config FILE`` with the remaining
     ``section.key=value`` arguments. ``flags`` are the options that take no value.
     """
     out: list[str] = []
@@ -97,7 +96,7 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
     if config is not None:
         rest = [a for a in argv if "=" in a and not a.startswith("-")]
         out = [a for a in out if a not in rest]
-        out += ["-m", "elastic.worker", "--config", config, *rest]
+        out += ["-m", "elastic.training.worker", "--config", config, *rest]
     return out
 
 
@@ -107,23 +106,25 @@ def _start_warm_server_early(argv: list[str]) -> None:
     A guess from the raw arguments (our worker is named in them); :func:`_warm_entrypoint`
     decides for real once they are parsed. A wrong guess costs one idle server.
     """
-    from elastic import warm
+    from agents import warm
 
     before_script = argv[: next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))]
-    ours = "elastic.worker" in argv or any(a.partition("=")[0] == "--config" for a in before_script)
+    ours = "elastic.training.worker" in argv or any(
+        a.partition("=")[0] == "--config" for a in before_script
+    )
     if ours and warm.enabled():
         warm.start_server()
 
 
 def _runs_our_worker(args: argparse.Namespace) -> bool:
-    return bool(args.module and args.training_script == "elastic.worker")
+    return bool(args.module and args.training_script == "elastic.training.worker")
 
 
 def _warm_entrypoint(
     args: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[str]
 ) -> tuple[Any, list[str]]:
-    """Our worker forks from a fork server that has imported torch (see elastic.warm)."""
-    from elastic import warm
+    """Our worker forks from a fork server that has imported torch (see agents.warm)."""
+    from agents import warm
 
     if not (_runs_our_worker(args) and warm.enabled()) or args.no_python:
         return cmd, cmd_args
@@ -136,12 +137,14 @@ def _preflight_worker_config(args: argparse.Namespace) -> None:
     """Validate our worker's config here, once, instead of in every worker and restart."""
     if not _runs_our_worker(args):
         return
-    from elastic.config import load_config
     from elastic.errors import ConfigError
+    from elastic.training.config import load_config
 
     worker_args = list(args.training_script_args)
     if "--config" not in worker_args or worker_args.index("--config") + 1 >= len(worker_args):
-        raise ConfigError("elastic.worker needs --config FILE; pass the worker's YAML config.")
+        raise ConfigError(
+            "elastic.training.worker needs --config FILE; pass the worker's YAML config."
+        )
     at = worker_args.index("--config")
     overrides = [a for a in worker_args[at + 2 :] if "=" in a]
     load_config(worker_args[at + 1], overrides)
@@ -157,8 +160,10 @@ def _describe(exc: BaseException) -> str:
     if str(exc):
         return str(exc)
     if isinstance(exc, RendezvousTimeoutError):
-        return ("the rendezvous did not complete within join_timeout (too few nodes came, or "
-                "the job had already finished); check --nnodes and the other agents.")  # fmt: skip
+        return (
+            "the rendezvous did not complete within join_timeout (too few nodes came, or "
+            "the job had already finished); check --nnodes and the other agents."
+        )
     if isinstance(exc, RendezvousClosedError):
         return "the job's rendezvous is closed (the job finished or was shut down)."
     return type(exc).__name__

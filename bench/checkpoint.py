@@ -36,7 +36,7 @@ import torchvision
 
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.storage import HashingWriter
-from elastic.config import CheckpointConfig
+from elastic.training.config import CheckpointConfig
 
 
 def _state(name: str) -> dict[str, Any]:
@@ -44,8 +44,7 @@ def _state(name: str) -> dict[str, Any]:
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 3, 64, 64)).sum().backward()
     optim.step()
-    momentum = {f"{i}": optim.state[p]["momentum_buffer"] for i, p in
-                enumerate(model.parameters())}
+    momentum = {f"{i}": optim.state[p]["momentum_buffer"] for i, p in enumerate(model.parameters())}
     return {"model": model.state_dict(), "momentum": momentum}
 
 
@@ -109,8 +108,11 @@ def bench_model(name: str, root: Path, repeats: int) -> dict[str, Any]:
     futures = []
 
     def dcp_async() -> None:
-        futures.append(dcp.async_save(state, storage_writer=HashingWriter(
-            str(root / f"async-{uuid.uuid4().hex}"))))
+        futures.append(
+            dcp.async_save(
+                state, storage_writer=HashingWriter(str(root / f"async-{uuid.uuid4().hex}"))
+            )
+        )
 
     result: dict[str, Any] = {"model": name, "state_mb": round(nbytes / 1e6, 1)}
     result["copy_prealloc_ms"] = _median_ms(copy, repeats * 3)
@@ -129,8 +131,7 @@ def bench_model(name: str, root: Path, repeats: int) -> dict[str, Any]:
 
 
 def _ours(state: dict[str, Any], root: Path, repeats: int, nbytes: int) -> dict[str, Any]:
-    cfg = CheckpointConfig(url=str(root / f"ours-{uuid.uuid4().hex}"), keep_last=1,
-                           verify="size")
+    cfg = CheckpointConfig(url=str(root / f"ours-{uuid.uuid4().hex}"), keep_last=1, verify="size")
     manager = CheckpointManager(cfg, run_id="bench")
     manager.save(0, state, block=True)  # first save allocates the staging buffers
     blocking, durable = [], []
@@ -142,8 +143,11 @@ def _ours(state: dict[str, Any], root: Path, repeats: int, nbytes: int) -> dict[
         durable.append(outcome.durable_s)
     manager.close()
     b, d = statistics.median(blocking), statistics.median(durable)
-    return {"ours_blocking_ms": round(b * 1e3, 2), "ours_durable_ms": round(d * 1e3, 1),
-            "ours_persist_mb_s": round(nbytes / max(d - b, 1e-9) / 1e6, 1)}
+    return {
+        "ours_blocking_ms": round(b * 1e3, 2),
+        "ours_durable_ms": round(d * 1e3, 1),
+        "ours_persist_mb_s": round(nbytes / max(d - b, 1e-9) / 1e6, 1),
+    }
 
 
 def main() -> None:
@@ -158,8 +162,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         results = [bench_model(name, Path(tmp), args.repeats) for name in args.models]
     dist.destroy_process_group()
-    print(json.dumps({"bench": "checkpoint", "torch": torch.__version__,
-                      "cuda": torch.cuda.is_available(), "results": results}, indent=2))
+    print(
+        json.dumps(
+            {
+                "bench": "checkpoint",
+                "torch": torch.__version__,
+                "cuda": torch.cuda.is_available(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Recovery time after membership changes: our agent vs plain torchrun with ``c10d``, one run.
 
 Method. The same scenario runs under each launcher with the same worker
-(``elastic.worker``, ``configs/tiny.yaml``, ``job.min_step_s=0.25`` pacing,
+(``elastic.training.worker``, ``configs/tiny.yaml``, ``job.min_step_s=0.25`` pacing,
 ``checkpoint.interval=5``), ``--nnodes=1:3 --nproc-per-node=1``,
 ``--max-restarts=10`` and ``--monitor-interval=0.3``, each run in its own temp
 dir with its own run id (and, for ours, its own etcd):
@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from elastic import env, events  # noqa: E402
-from elastic.etcd_server import EtcdServer, free_port, start_etcd  # noqa: E402
+from elastic.etcd.server import EtcdServer, free_port, start_etcd  # noqa: E402
 from elastic.procs import children, kill  # noqa: E402
 
 TUNED = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -110,11 +110,17 @@ class Launcher:
         else:
             head = ["-m", "agents.launch"]
         return [
-            sys.executable, *head, "--nnodes=1:3", "--nproc-per-node=1",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-            *([f"--rdzv-conf={conf}"] if conf else []), "--max-restarts=10",
-            "--monitor-interval=0.3", "--local-addr=127.0.0.1",
-        ]  # fmt: skip
+            sys.executable,
+            *head,
+            "--nnodes=1:3",
+            "--nproc-per-node=1",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            *([f"--rdzv-conf={conf}"] if conf else []),
+            "--max-restarts=10",
+            "--monitor-interval=0.3",
+            "--local-addr=127.0.0.1",
+        ]
 
 
 LAUNCHERS = {
@@ -149,16 +155,25 @@ class Cluster:
 
     def start(self, name: str, host: bool = False) -> None:
         worker = [
-            "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
-            f"job.run_id={self.run_id}", f"job.max_steps={MAX_STEPS}", "job.log_every=1",
-            f"job.min_step_s={MIN_STEP_S}", f"checkpoint.url={self.run_dir / 'ckpt'}",
+            "-m",
+            "elastic.training.worker",
+            "--config",
+            str(REPO / "configs" / "tiny.yaml"),
+            f"job.run_id={self.run_id}",
+            f"job.max_steps={MAX_STEPS}",
+            "job.log_every=1",
+            f"job.min_step_s={MIN_STEP_S}",
+            f"checkpoint.url={self.run_dir / 'ckpt'}",
             f"checkpoint.interval={CKPT_INTERVAL}",
-        ]  # fmt: skip
+        ]
         environ = {
-            **os.environ, env.EVENT_LOG: str(self.event_log), "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO",
+            **os.environ,
+            env.EVENT_LOG: str(self.event_log),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "LOGLEVEL": "INFO",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }  # fmt: skip
+        }
         if self.launcher.c10d:
             environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         argv = self.launcher.argv(self.endpoint, self.run_id, host) + worker
@@ -300,9 +315,12 @@ def measure(
         return entry
     first = cluster.first_step_after(t0, world)
     assert first is not None
-    entry.update(recover_s=round(first["ts"] - t0, 2), first_step=first["step"],
-                 steps_lost=max(0, before - (first["step"] - 1)),
-                 **_phases(cluster, t0, first))  # fmt: skip
+    entry.update(
+        recover_s=round(first["ts"] - t0, 2),
+        first_step=first["step"],
+        steps_lost=max(0, before - (first["step"] - 1)),
+        **_phases(cluster, t0, first),
+    )
     return _derive(entry)
 
 
@@ -362,8 +380,11 @@ def host_kill(cluster: Cluster) -> dict[str, Any]:
         code = None
     tail = (cluster.run_dir / "n2.log").read_text(errors="replace").strip().splitlines()
     errors = [line for line in tail if "Error" in line or "error" in line]
-    entry.update(recovered=entry["recover_s"] is not None, survivor_exit_code=code,
-                 survivor_last_error=(errors[-1][:300] if errors else None))  # fmt: skip
+    entry.update(
+        recovered=entry["recover_s"] is not None,
+        survivor_exit_code=code,
+        survivor_last_error=(errors[-1][:300] if errors else None),
+    )
     return entry
 
 
@@ -392,8 +413,13 @@ def scenario_result(launcher: Launcher, base: Path, args: argparse.Namespace) ->
     found, cluster, total, error = run_one(launcher, base, args.event_timeout, args.keep, scenario)
     evs = found or []
     ok = error is None and len(evs) == 3 and all(e["recover_s"] is not None for e in evs)
-    out = {"backend": launcher.name, "run_id": cluster.run_id, "events": evs, "ok": ok,
-           "total_s": total}  # fmt: skip
+    out = {
+        "backend": launcher.name,
+        "run_id": cluster.run_id,
+        "events": evs,
+        "ok": ok,
+        "total_s": total,
+    }
     if error:
         out["error"] = error
     if args.keep:
@@ -403,8 +429,13 @@ def scenario_result(launcher: Launcher, base: Path, args: argparse.Namespace) ->
 
 
 def _median(results: list[dict[str, Any]], backend: str, kind: str, key: str) -> float | None:
-    vals = [e[key] for r in results if r["backend"] == backend for e in r["events"]
-            if e["kind"] == kind and e.get(key) is not None]  # fmt: skip
+    vals = [
+        e[key]
+        for r in results
+        if r["backend"] == backend
+        for e in r["events"]
+        if e["kind"] == kind and e.get(key) is not None
+    ]
     return round(statistics.median(vals), 2) if vals else None
 
 
@@ -488,23 +519,31 @@ def report(
         "torch": torch.__version__,
         "scenario": {
             "nodes": "n1+n2 train; n3 joins (->3); n2 SIGTERM (->2); n3 kill -9 (->1)",
-            "worker": "elastic.worker configs/tiny.yaml", "min_step_s": MIN_STEP_S,
-            "checkpoint_interval": CKPT_INTERVAL, "steps_between_events": STEPS_BETWEEN,
+            "worker": "elastic.training.worker configs/tiny.yaml",
+            "min_step_s": MIN_STEP_S,
+            "checkpoint_interval": CKPT_INTERVAL,
+            "steps_between_events": STEPS_BETWEEN,
             "launcher_flags": "--nnodes=1:3 --nproc-per-node=1 --max-restarts=10 "
-                              "--monitor-interval=0.3",
+            "--monitor-interval=0.3",
             "rdzv_conf": {b: LAUNCHERS[b].rdzv_conf or "torch defaults" for b in backends},
             "c10d_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
             "c10d_kill_target": "a non-host node (the store host's kill: first_node_kill)",
-            "repeats": repeats, "cpus": os.cpu_count(), "loadavg_1min_start_end": load,
+            "repeats": repeats,
+            "cpus": os.cpu_count(),
+            "loadavg_1min_start_end": load,
         },
         "results": results,
-        "successes": {b: {"runs": sum(r["backend"] == b for r in results),
-                          "ok": sum(r["ok"] for r in results if r["backend"] == b)}
-                      for b in backends},
+        "successes": {
+            b: {
+                "runs": sum(r["backend"] == b for r in results),
+                "ok": sum(r["ok"] for r in results if r["backend"] == b),
+            }
+            for b in backends
+        },
         "first_node_kill": host,
         "summary": summary,
         "goals": goals(results, summary),
-    }  # fmt: skip
+    }
 
 
 def merged(paths: list[Path]) -> dict[str, Any]:
@@ -516,8 +555,7 @@ def merged(paths: list[Path]) -> dict[str, Any]:
     backends = list(dict.fromkeys(r["backend"] for r in results))
     load = [x for old in olds for x in old["scenario"].get("loadavg_1min_start_end", [])]
     host = [h for old in olds for h in old.get("first_node_kill", old.get("c10d_host_kill", []))]
-    out = report(results, host, backends,
-                 sum(old["scenario"]["repeats"] for old in olds), load)  # fmt: skip
+    out = report(results, host, backends, sum(old["scenario"]["repeats"] for old in olds), load)
     out["merged_from"] = [str(p) for p in paths]
     return out
 
@@ -531,8 +569,9 @@ def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
         for _ in range(args.repeats):
             results += [scenario_result(LAUNCHERS[b], base, args) for b in backends]
         for name in [] if args.no_host_kill else ["c10d-tuned", "ours"]:
-            found, cluster, _, error = run_one(LAUNCHERS[name], base, args.event_timeout,
-                                               args.keep, host_kill)  # fmt: skip
+            found, cluster, _, error = run_one(
+                LAUNCHERS[name], base, args.event_timeout, args.keep, host_kill
+            )
             found = found or {"recovered": False, "error": error, "run_id": cluster.run_id}
             host.append({"backend": name, **found})
     finally:

@@ -82,10 +82,10 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
 
-from elastic.etcd_client import EtcdClient
-from elastic.etcd_server import EtcdServer, find_etcd, start_etcd
-from elastic.rendezvous.dynamic import build_handler
-from elastic.rendezvous.handler import create_backend as create_etcd_backend
+from elastic.etcd.client import EtcdClient
+from elastic.etcd.server import EtcdServer, find_etcd, start_etcd
+from elastic.rendezvous.handler import build_handler
+from elastic.rendezvous.registry import create_backend as create_etcd_backend
 
 RDZV_CONF: dict[str, Any] = {  # --join-timeout and --keep-alive-interval change it
     "join_timeout": 120,

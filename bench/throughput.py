@@ -1,6 +1,6 @@
 """Worker throughput with a checkpoint every 10 steps vs checkpointing off, in one run.
 
-Runs the real worker loop (:class:`elastic.worker.Worker`, world of one, gloo)
+Runs the real worker loop (:class:`elastic.training.worker.Worker`, world of one, gloo)
 in alternating blocks, ``--rounds`` times: ``--steps`` steps with checkpointing
 off, then ``--steps`` steps with an async checkpoint every ``--interval`` steps
 (the block waits for its last save to be durable, so no write cost escapes
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.config import load_config
-from elastic.worker import Worker, _setup_torch, init_distributed
+from elastic.training.config import load_config
+from elastic.training.worker import Worker, _setup_torch, init_distributed
 
 
 def _block(worker: Worker, steps: int, interval: int | None) -> float:
@@ -50,9 +50,16 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(args.config, [f"checkpoint.url={tmp}", "job.max_steps=100000",
-                                        "job.progress_bar=false", "checkpoint.keep_last=1",
-                                        *args.overrides])
+        cfg = load_config(
+            args.config,
+            [
+                f"checkpoint.url={tmp}",
+                "job.max_steps=100000",
+                "job.progress_bar=false",
+                "checkpoint.keep_last=1",
+                *args.overrides,
+            ],
+        )
         _setup_torch(cfg.job)
         ctx = init_distributed(cfg.distributed)
         worker = Worker(cfg, ctx)
@@ -64,15 +71,22 @@ def main() -> None:
         worker.checkpoints.close()
         dist.destroy_process_group()
     result: dict[str, Any] = {
-        "bench": "throughput", "model": cfg.model.name, "image_size": cfg.data.image_size,
-        "global_batch": cfg.data.global_batch_size, "threads": torch.get_num_threads(),
-        "steps_per_block": args.steps, "rounds": args.rounds, "interval": args.interval,
+        "bench": "throughput",
+        "model": cfg.model.name,
+        "image_size": cfg.data.image_size,
+        "global_batch": cfg.data.global_batch_size,
+        "threads": torch.get_num_threads(),
+        "steps_per_block": args.steps,
+        "rounds": args.rounds,
+        "interval": args.interval,
         "samples_per_s_off": round(statistics.median(off), 2),
         "samples_per_s_ckpt": round(statistics.median(on), 2),
-        "per_round_off": [round(x, 2) for x in off], "per_round_ckpt": [round(x, 2) for x in on],
+        "per_round_off": [round(x, 2) for x in off],
+        "per_round_ckpt": [round(x, 2) for x in on],
     }
     result["overhead_pct"] = round(
-        100 * (1 - result["samples_per_s_ckpt"] / result["samples_per_s_off"]), 2)
+        100 * (1 - result["samples_per_s_ckpt"] / result["samples_per_s_off"]), 2
+    )
     print(json.dumps(result, indent=2))
 
 

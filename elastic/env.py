@@ -5,7 +5,7 @@ from __future__ import annotations
 # Set before protobuf is first imported so that etcd3's generated code loads.
 PROTOBUF_IMPL = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
-# torch elastic: opt out of the agent-hosted shared TCPStore (see elastic.rendezvous.handler).
+# torch elastic: opt out of the agent-hosted shared TCPStore (see elastic.rendezvous.registry).
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # Set by torch elastic for every worker.
@@ -24,5 +24,5 @@ EVENT_LOG = "ELASTIC_EVENT_LOG"  # path of the JSON-lines event log; unset = no 
 CONFIG_PREFIX = "ELASTIC_"  # ELASTIC_<SECTION>__<KEY>=value overrides a config field
 ETCD_BIN = "ELASTIC_ETCD_BIN"  # etcd binary for the embedded server and the tests
 FORK_SERVER_PID = "ELASTIC_FORK_SERVER_PID"  # set by the warm-start fork server for its workers
-WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (see elastic.warm)
+WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (see agents.warm)
 FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fencing)

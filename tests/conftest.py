@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
-from elastic.etcd_server import EtcdServer, start_etcd
+from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.etcd.server import EtcdServer, start_etcd
 
 
 @pytest.fixture(scope="session")

@@ -57,7 +57,6 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
-
 class Node:
     """One simulated node: a torchrun-style agent process started by a test."""
 

@@ -99,8 +99,9 @@ def inspect_step(url: str, run_id: str, step: int, verify: Verify = "full") -> S
     return StepInfo(step, target, True, "", marker)
 
 
-def _check_file(fs: fsspec.AbstractFileSystem, path: str, expected: dict[str, Any],
-                verify: Verify) -> str:
+def _check_file(
+    fs: fsspec.AbstractFileSystem, path: str, expected: dict[str, Any], verify: Verify
+) -> str:
     try:
         size = fs.info(path)["size"]
     except FileNotFoundError:
@@ -112,8 +113,9 @@ def _check_file(fs: fsspec.AbstractFileSystem, path: str, expected: dict[str, An
     return ""
 
 
-def find_latest_complete(url: str, run_id: str, verify: Verify = "full",
-                         warn: bool = True) -> StepInfo | None:
+def find_latest_complete(
+    url: str, run_id: str, verify: Verify = "full", warn: bool = True
+) -> StepInfo | None:
     """Return the newest complete step of run ``run_id`` under ``url``, or ``None``.
 
     Newer partial or corrupt steps are skipped, each with a warning naming it.
@@ -140,8 +142,7 @@ def purge(url: str, run_id: str, keep_last: int, protect: int | None = None) -> 
     if protect is not None:
         keep.add(protect)
     newest_kept = max(keep, default=None)
-    doomed = [s for s in steps
-              if s not in keep and (newest_kept is None or s < newest_kept)]
+    doomed = [s for s in steps if s not in keep and (newest_kept is None or s < newest_kept)]
     for step in doomed:
         remove_step(step_url(url, run_id, step))
     return doomed

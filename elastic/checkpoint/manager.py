@@ -44,8 +44,8 @@ from elastic.checkpoint.layout import (
 )
 from elastic.checkpoint.stager import Stager
 from elastic.checkpoint.storage import HashingWriter, make_reader
-from elastic.config import CheckpointConfig
 from elastic.errors import CheckpointError
+from elastic.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +68,13 @@ class SaveOutcome:
 class CheckpointManager:
     """Saves and loads one run's checkpoints under ``<url>/<run_id>/``."""
 
-    def __init__(self, cfg: CheckpointConfig, run_id: str,
-                 group: dist.ProcessGroup | None = None,
-                 commit_fence: CommitFence | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_id: str,
+        group: dist.ProcessGroup | None = None,
+        commit_fence: CommitFence | None = None,
+    ) -> None:
         self.cfg = cfg
         self.run_id = run_id
         self.group = group
@@ -148,11 +152,14 @@ class CheckpointManager:
             dist.broadcast_object_list(chosen, src=_global_rank(self.group, 0), group=self.group)
         step = chosen[0]
         if isinstance(step, str):
-            raise CheckpointError(f"Cannot list checkpoints under {self.cfg.url}: {step}. Check "
-                                  "the URL, credentials and that the storage is reachable.")
+            raise CheckpointError(
+                f"Cannot list checkpoints under {self.cfg.url}: {step}. Check "
+                "the URL, credentials and that the storage is reachable."
+            )
         if step is None:
-            logger.info("No complete checkpoint under %s/%s; starting fresh.",
-                        self.cfg.url, self.run_id)
+            logger.info(
+                "No complete checkpoint under %s/%s; starting fresh.", self.cfg.url, self.run_id
+            )
             return None
         started = time.perf_counter()
         url = step_url(self.cfg.url, self.run_id, step)
@@ -160,18 +167,26 @@ class CheckpointManager:
         try:
             dcp.load(state, storage_reader=make_reader(url), process_group=self.group)
         except (Exception, CheckpointException) as exc:  # DCP wraps storage errors
-            raise CheckpointError(f"Cannot load checkpoint {url}: {_root_cause(exc)}. Delete or "
-                                  "repair that step directory to fall back to an older one."
-                                  ) from exc
+            raise CheckpointError(
+                f"Cannot load checkpoint {url}: {_root_cause(exc)}. Delete or "
+                "repair that step directory to fall back to an older one."
+            ) from exc
         seconds = time.perf_counter() - started
         self.last_good = step
         logger.info("Loaded checkpoint %s in %.2fs.", url, seconds)
-        events.emit("ckpt.load", step=step, url=url, seconds=round(seconds, 4),
-                    rank=self.rank, world_size=self.world_size)
+        events.emit(
+            "ckpt.load",
+            step=step,
+            url=url,
+            seconds=round(seconds, 4),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         return step, state
 
-    def _write(self, step: int, staged: dict[str, Any], started: float,
-               blocking: float) -> SaveOutcome:
+    def _write(
+        self, step: int, staged: dict[str, Any], started: float, blocking: float
+    ) -> SaveOutcome:
         url = step_url(self.cfg.url, self.run_id, step)
         local: dict[str, Any] = {"ok": True, "error": "", "files": {}}
         self._clear_leftovers(url)
@@ -212,8 +227,9 @@ class CheckpointManager:
         ok, error, files = verdict[0]
         return SaveOutcome(step, ok, error, files=files)
 
-    def _commit_on_rank0(self, step: int, url: str,
-                         results: list[dict[str, Any]]) -> tuple[bool, str, dict[str, Any]]:
+    def _commit_on_rank0(
+        self, step: int, url: str, results: list[dict[str, Any]]
+    ) -> tuple[bool, str, dict[str, Any]]:
         failed = [r["error"] for r in results if not r["ok"]]
         if failed:
             return False, failed[0], {}
@@ -234,21 +250,36 @@ class CheckpointManager:
 
     def _account(self, outcome: SaveOutcome) -> None:
         url = step_url(self.cfg.url, self.run_id, outcome.step)
-        fields = {"step": outcome.step, "ok": outcome.ok, "url": url, "rank": self.rank,
-                  "blocking_s": round(outcome.blocking_s, 6),
-                  "durable_s": round(outcome.durable_s, 4)}
+        fields = {
+            "step": outcome.step,
+            "ok": outcome.ok,
+            "url": url,
+            "rank": self.rank,
+            "blocking_s": round(outcome.blocking_s, 6),
+            "durable_s": round(outcome.durable_s, 4),
+        }
         if outcome.ok:
             self.failures = 0
             self.last_good = outcome.step
-            logger.log(logging.INFO if self.rank == 0 else logging.DEBUG,
-                       "Checkpoint %s committed (blocking %.1f ms, durable after %.2fs).",
-                       url, outcome.blocking_s * 1e3, outcome.durable_s)
+            logger.log(
+                logging.INFO if self.rank == 0 else logging.DEBUG,
+                "Checkpoint %s committed (blocking %.1f ms, durable after %.2fs).",
+                url,
+                outcome.blocking_s * 1e3,
+                outcome.durable_s,
+            )
             events.emit("ckpt.save", **fields)
             return
         self.failures += 1
-        logger.error("Checkpoint %s failed (%d of %d allowed in a row): %s. The newest complete "
-                     "checkpoint is still step %s.", url, self.failures, self.cfg.max_failures,
-                     outcome.error, self.last_good)
+        logger.error(
+            "Checkpoint %s failed (%d of %d allowed in a row): %s. The newest complete "
+            "checkpoint is still step %s.",
+            url,
+            self.failures,
+            self.cfg.max_failures,
+            outcome.error,
+            self.last_good,
+        )
         events.emit("ckpt.save", error=outcome.error, last_good=self.last_good, **fields)
         if self.failures >= self.cfg.max_failures:
             raise CheckpointError(

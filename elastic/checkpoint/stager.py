@@ -47,8 +47,12 @@ class Stager:
         tensor = tensor.detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                              pin_memory=self.pin_memory and tensor.is_cuda)
+            buf = torch.empty(
+                tensor.shape,
+                dtype=tensor.dtype,
+                device="cpu",
+                pin_memory=self.pin_memory and tensor.is_cuda,
+            )
             self._buffers[key] = buf
         buf.copy_(tensor, non_blocking=tensor.is_cuda)
         return buf

@@ -5,6 +5,6 @@
 # or the entry point meets a half-initialized module.
 import torch.distributed.elastic.rendezvous  # noqa: F401
 
-from elastic.rendezvous.handler import NAME, create_backend, create_rdzv_handler, handler_factory
+from elastic.rendezvous.registry import NAME, create_backend, create_rdzv_handler, handler_factory
 
 __all__ = ["NAME", "create_backend", "create_rdzv_handler", "handler_factory"]

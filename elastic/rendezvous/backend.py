@@ -20,7 +20,7 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastic.errors import EtcdStateError
-from elastic.etcd_client import EtcdClient, compare_absent, compare_mod, op_get, op_put
+from elastic.etcd.client import EtcdClient, compare_absent, compare_mod, op_get, op_put
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
 
@@ -103,10 +103,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
         publish_round(self._client, self._keys, round_, self._lease.id())
         o = self._client.options
         return FenceSpec(
-            endpoints=",".join(str(e) for e in o.endpoints), prefix=self._keys.prefix,
-            run_id=self._keys.run_id, round=round_, cacert=o.ca_cert, cert=o.cert, key=o.key,
-            user=o.user, password=o.password, tls=o.tls,
-        ).to_env()  # fmt: skip
+            endpoints=",".join(str(e) for e in o.endpoints),
+            prefix=self._keys.prefix,
+            run_id=self._keys.run_id,
+            round=round_,
+            cacert=o.ca_cert,
+            cert=o.cert,
+            key=o.key,
+            user=o.user,
+            password=o.password,
+            tls=o.tls,
+        ).to_env()
 
     def record_failed_round(self, round_: int) -> int:
         """Count a failed round once for the whole job; return how many rounds failed.

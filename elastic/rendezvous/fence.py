@@ -20,7 +20,7 @@ from typing import Any
 
 from elastic import env
 from elastic.errors import CheckpointError
-from elastic.etcd_client import (
+from elastic.etcd.client import (
     EtcdClient,
     EtcdOptions,
     compare_absent,
@@ -83,9 +83,16 @@ class RoundFence:
         self.spec = spec
         endpoints, https = parse_endpoints(spec.endpoints)
         self._client = EtcdClient(
-            EtcdOptions(endpoints, tls=spec.tls or https, ca_cert=spec.cacert, cert=spec.cert,
-                        key=spec.key, user=spec.user, password=spec.password)
-        )  # fmt: skip
+            EtcdOptions(
+                endpoints,
+                tls=spec.tls or https,
+                ca_cert=spec.cacert,
+                cert=spec.cert,
+                key=spec.key,
+                user=spec.user,
+                password=spec.password,
+            )
+        )
         self._keys = RunKeys(spec.prefix, spec.run_id)
 
     def __call__(self, step: int) -> None:

@@ -1,148 +1,294 @@
-"""The ``etcd-v3`` rendezvous handler: torch's DynamicRendezvousHandler on our storage.
+"""torch's DynamicRendezvousHandler plus one fix: a node dropped while alive rejoins.
 
-Registered through the ``torchrun.handlers`` entry-point group, so once this
-package is installed ``torchrun --rdzv-backend=etcd-v3`` works. torch imports
-this module whenever its registry loads, so it stays import-light: etcd and
-grpc load only when a handler is created.
+torch judges a node dead when its last heartbeat in the shared state is older
+than ``keep_alive_interval * keep_alive_max_attempt``. An etcd outage longer
+than that (a restart, a lost quorum) makes *every* heartbeat look old: the
+first node to read the state after the outage drops all participants, the
+round moves on without anyone, and the live agents, no longer in the state,
+stop sending heartbeats and never notice. A node that joins later then waits
+forever in a round nobody else is in. Here, a node that finds it is no longer
+a participant of the round it joined reports "nodes waiting", so its agent
+restarts its workers and the whole group re-forms. Likewise when a *peer*
+vanishes from the round (its heartbeats expired: a crash, a cut link): the
+survivors re-form at once instead of blocking in a collective until its
+timeout.
 
-Options (``--rdzv-conf key=value,...``), beside torch's standard ones
-(``join_timeout``, ``last_call_timeout``, ``close_timeout``,
-``heartbeat_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``):
+torch's join loop polls the state once a second while it waits for others.
+Here the wait is an etcd watch on the state key, started just after the
+revision this node last read: the node wakes as soon as anyone changes the
+state (a join, a completed round) instead of up to a second later; above 16
+nodes it keeps torch's poll, which scales better than waking every waiter on
+every change. The hook
+replaces torch's module-level ``_delay`` but acts only in threads running our
+handler's join; every other caller keeps torch's plain sleep.
 
-==================  ==========================================================
-protocol            ``http`` (default) or ``https``
-cacert              CA bundle (PEM) that signed the etcd server certificates
-cert, key           client certificate and key (PEM) for mutual TLS
-user, password      etcd user and password (etcd's auth enabled)
-prefix              key prefix, default ``/elastic``; state at prefix/run_id/
-ttl                 seconds an abandoned run's keys live; default 7200
-connect_timeout     seconds to reach etcd the first time; default 5
-request_timeout     seconds a request rides out an etcd outage; default 30
-store_timeout       seconds a blocking store read waits; default 300
-==================  ==========================================================
-
-The handler is torch's DynamicRendezvousHandler with one fix (see
-:mod:`elastic.rendezvous.dynamic`): a node dropped from its round while alive
-rejoins instead of training on alone.
-
-The agent-hosted shared TCPStore is turned off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)
-unless the user set that variable: in torch 2.14 a node joining a running job
-hangs with it (the old rank 0 never republishes the store address for the new
-round), and it would put a single point of failure on one training node, which
-is what an etcd rendezvous exists to avoid. Workers then bootstrap their
-process group from a fresh TCPStore each round.
+While it waits, a node also probes peers whose heartbeats are late and removes
+those whose agent is certainly gone (:mod:`elastic.rendezvous.liveness`); the
+handler is built on the state holder and op executor of
+:mod:`elastic.rendezvous.rounds`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
+import threading
+import time
 from collections.abc import Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING
+from datetime import datetime, timedelta, timezone
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousInfo,
+    RendezvousParameters,
+    dynamic_rendezvous,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousSettings,
+    RendezvousTimeout,
+)
 
-from elastic import env
-
-if TYPE_CHECKING:
-    from elastic.etcd_client import EtcdClient, EtcdOptions
-    from elastic.rendezvous.backend import EtcdRendezvousBackend
-    from elastic.rendezvous.store import EtcdStore
-
-# elastic.errors imports torch's rendezvous package, whose registry imports this
-# module: import it lazily to keep that cycle open.
+from elastic import env, events
+from elastic.rendezvous.backend import EtcdRendezvousBackend
+from elastic.rendezvous.liveness import DeathDetector, ProbeListener
+from elastic.rendezvous.rounds import LeaveOp, ProbingStateHolder, WaitListExecutor
 
 logger = logging.getLogger(__name__)
 
-NAME = "etcd-v3"
-# Heartbeats judged missing after interval x attempts; below this a busy node is
-# declared dead while alive (a split brain seen with 1 s x 2 on a 2-core machine).
-MIN_KEEP_ALIVE_ATTEMPTS = 3
-MIN_KEEP_ALIVE_WINDOW_S = 3
+_MIN_WAKE_GAP_S = 0.1  # a waiting node re-reads the state at most this often
+# Above this many nodes every change would wake every waiter (a herd that measured far
+# slower than torch's 1 s poll at 128 simulated nodes); fall back to the poll there.
+_MAX_WATCH_CROWD = 16
+_LATE = timedelta(seconds=1)  # a heartbeat older than this (or half the interval) is probed
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat that has surely expired
+_waiter = threading.local()  # .fn: Callable[[float], None] while this thread joins
+_torch_delay: Callable[[float | tuple[float, float]], None] = dynamic_rendezvous._delay
 
 
-def etcd_options(params: RendezvousParameters) -> EtcdOptions:
-    """Build client options from ``--rdzv-endpoint`` and ``--rdzv-conf``."""
-    from elastic.errors import ConfigError
-    from elastic.etcd_client import EtcdOptions, parse_endpoints
-
-    endpoints, https = parse_endpoints(params.endpoint or "localhost")
-    protocol = str(params.get("protocol", "https" if https else "http")).lower()
-    if protocol not in ("http", "https"):
-        raise ConfigError(f"The etcd protocol '{protocol}' is invalid; use http or https.")
-    return EtcdOptions(
-        endpoints=endpoints,
-        tls=protocol == "https",
-        ca_cert=params.get("cacert"),
-        cert=params.get("cert"),
-        key=params.get("key"),
-        user=params.get("user"),
-        password=params.get("password"),
-        connect_timeout=float(params.get("connect_timeout", 5)),
-        request_timeout=float(params.get("request_timeout", 30)),
-    )
+def _delay_or_watch(seconds: float | tuple[float, float]) -> None:
+    wait = getattr(_waiter, "fn", None)
+    if wait is None or isinstance(seconds, tuple):
+        _torch_delay(seconds)
+    else:
+        wait(seconds)
 
 
-def check_keep_alive(params: RendezvousParameters) -> None:
-    """Refuse heartbeat settings that let a live but busy node be declared dead."""
-    from elastic.errors import ConfigError
+def _install_watch_delay() -> None:
+    """Route torch's join-loop poll through :func:`_delay_or_watch` (idempotent)."""
+    if dynamic_rendezvous._delay is not _delay_or_watch:
+        dynamic_rendezvous._delay = _delay_or_watch
 
-    interval = params.get_as_int("keep_alive_interval", 5) or 0
-    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 0
-    if attempts < MIN_KEEP_ALIVE_ATTEMPTS or interval * attempts < MIN_KEEP_ALIVE_WINDOW_S:
-        raise ConfigError(
-            f"keep_alive_interval={interval} with keep_alive_max_attempt={attempts} declares a "
-            f"node dead after {interval * attempts} s of missed heartbeats, which risks a split "
-            f"brain; use at least {MIN_KEEP_ALIVE_ATTEMPTS} attempts and "
-            f"{MIN_KEEP_ALIVE_WINDOW_S} s in all."
+
+class EtcdRendezvousHandler(DynamicRendezvousHandler):
+    """DynamicRendezvousHandler that rejoins when dropped, and records each round as an event."""
+
+    _joined_round: int | None = None
+    _peers: frozenset[object] | set[object] = frozenset()
+    _reform_requested: bool = False
+    peers_lost: bool = False  # a peer left the current round (expired, reaped or left)
+    _listener: ProbeListener | None = None
+    _detector: DeathDetector | None = None
+
+    def request_reform(self) -> None:
+        """Make the agent re-rendezvous at its next check (a planned change of membership)."""
+        self._reform_requested = True
+
+    def leave(self, timeout: float = 10.0) -> None:
+        """Leave the rendezvous now, so the others need not wait for heartbeats to expire."""
+        started = time.monotonic()
+        self._stop_heartbeats()
+        with self._heartbeat_lock:
+            self._op_executor.run(LeaveOp(), time.monotonic() + timeout)
+        events.emit(
+            "node.leave",
+            run_id=self.get_run_id(),
+            node=str(self._this_node),
+            seconds=round(time.monotonic() - started, 3),
+        )
+        logger.info(
+            "The node '%s' left the rendezvous '%s' in %.2f s.",
+            self._this_node,
+            self.get_run_id(),
+            time.monotonic() - started,
         )
 
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class."""
+        self._reform_requested = False
+        self.peers_lost = False
+        _waiter.fn = self._wait_for_state_change
+        try:
+            info = super().next_rendezvous()
+        finally:
+            _waiter.fn = None
+        state = self._state_holder.state
+        self._joined_round = state.round
+        self._peers = set(state.participants)
+        self._verify_peers()
+        self._publish_fence(state.round)
+        events.emit(
+            "rdzv.round",
+            run_id=self.get_run_id(),
+            round=state.round,
+            node=str(self._this_node),
+            rank=info.rank,
+            world_size=info.world_size,
+        )
+        return info
 
-def create_backend(
-    params: RendezvousParameters, client: EtcdClient | None = None
-) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    """Create the ``(backend, store)`` pair for a run, sharing one client and lease."""
-    from elastic.etcd_client import EtcdClient
-    from elastic.rendezvous.backend import EtcdRendezvousBackend
-    from elastic.rendezvous.keys import DEFAULT_PREFIX, RunKeys
-    from elastic.rendezvous.lease import DEFAULT_TTL_S, RunLease
-    from elastic.rendezvous.store import EtcdStore
+    def _publish_fence(self, round_: int) -> None:
+        """Advance the commit fence to this round and hand it to the workers we start."""
+        publish = getattr(self._state_holder._backend, "publish_fence", None)
+        if publish is not None:
+            os.environ[env.FENCE] = publish(round_)
 
-    client = client or EtcdClient(etcd_options(params))
-    keys = RunKeys(params.get("prefix", DEFAULT_PREFIX), params.run_id)
-    lease = RunLease(client, params.get_as_int("ttl", DEFAULT_TTL_S) or DEFAULT_TTL_S)
-    store_timeout = timedelta(seconds=params.get_as_int("store_timeout", 300) or 300)
-    lease.id()  # grant it now, not inside the first compare-and-set of a round
-    backend = EtcdRendezvousBackend(client, keys, lease)
-    return backend, EtcdStore(client, keys, lease, timeout=store_timeout)
+    def record_failed_round(self) -> int | None:
+        """Count this round's failure in the job-wide ledger; None if there is no ledger."""
+        record = getattr(self._state_holder._backend, "record_failed_round", None)
+        if record is None or self._joined_round is None:
+            return None
+        return record(self._joined_round)
 
+    def start_liveness(self) -> None:
+        """Listen on a probe port and publish it, so peers can prove this node dead fast."""
+        backend = self._state_holder._backend
+        if not isinstance(backend, EtcdRendezvousBackend):
+            return
+        self._listener = ProbeListener()
+        backend.publish_probe(str(self._this_node), self._listener.port)
+        self._detector = DeathDetector(backend.probe_ports)
+        if isinstance(self._state_holder, ProbingStateHolder):
+            self._state_holder.detector = self._detector
 
-def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Create the ``etcd-v3`` handler (the creator registered with torch)."""
-    from elastic.rendezvous.dynamic import build_handler
+    def _verify_peers(self) -> None:
+        """Probe the new round's peers once (they are alive now), in the background, so a
+        later refusal from one of them is trusted (see DeathDetector)."""
+        if self._detector is None:
+            return
+        peers = [(str(n), n.addr) for n in self._peers if n != self._this_node]
+        threading.Thread(
+            target=self._detector.verify, args=(peers,), name="probe-verify", daemon=True
+        ).start()
 
-    check_keep_alive(params)
-    if os.environ.setdefault(env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1") != "1":
+    def _reap_dead_peers(self) -> bool:
+        """Remove peers whose agent is certainly gone (probe refused); True if any was."""
+        if self._detector is None:
+            return False
+        state = self._state_holder.state
+        late = datetime.now(timezone.utc) - min(self._settings.keep_alive_interval / 2, _LATE)
+        suspects = {
+            str(n): n
+            for n, beat in state.last_heartbeats.items()
+            if n != self._this_node and beat < late
+        }
+        dead = self._detector.dead([(name, n.addr) for name, n in suspects.items()])
+        if not dead:
+            return False
+        for name in dead:
+            state.last_heartbeats[suspects[name]] = _EPOCH
+        self._state_holder._sanitize()  # torch's own removal of expired nodes
+        self._state_holder.mark_dirty()
         logger.warning(
-            "%s=0: the shared agent TCPStore is on; nodes joining a running job may hang.",
-            env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
+            "The agents of %s are gone (their probe ports refuse connections); "
+            "removed them from the rendezvous without waiting for heartbeat expiry.",
+            sorted(dead),
         )
-    backend, store = create_backend(params)  # fails now, naming the endpoints, if unreachable
-    return build_handler(store, backend, params)
+        events.emit("node.dead", run_id=self.get_run_id(), nodes=sorted(dead), evidence="probe")
+        return True
+
+    def _wait_for_state_change(self, seconds: float) -> None:
+        if self._reap_dead_peers():
+            return  # sync the removal now
+        token = self._state_holder._token
+        wait = getattr(self._state_holder._backend, "wait_for_change", None)
+        state = self._state_holder.state
+        crowd = len(state.participants) + len(state.wait_list)
+        if token is None or wait is None or crowd > _MAX_WATCH_CROWD:
+            _torch_delay(seconds)
+            return
+        started = time.monotonic()
+        if wait(token, seconds):
+            # Coalesce a burst of changes into one re-read per gap, then make that sync
+            # read etcd instead of the holder's one-second cache (which would turn each
+            # wake into a busy loop).
+            remaining = _MIN_WAKE_GAP_S * random.uniform(0.5, 1.0) - (time.monotonic() - started)
+            if remaining > 0:
+                time.sleep(remaining)
+            self._state_holder._last_sync_time = -1.0
+
+    def num_nodes_waiting(self) -> int:
+        """See base class; also > 0 when this node was dropped from its round."""
+        waiting = super().num_nodes_waiting()
+        if self._reform_requested:
+            return max(waiting, 1)
+        if waiting or self._joined_round is None:
+            return waiting
+        with self._heartbeat_lock:  # the heartbeat thread's sync replaces and prunes it
+            state = self._state_holder.state
+            round_, participants = state.round, set(state.participants)
+        if round_ == self._joined_round and self._this_node in participants:
+            gone = self._peers - participants
+            if not gone:
+                return 0
+            # A peer's heartbeats expired (or it left): our collectives would only block
+            # until their timeout. Re-form now instead.
+            logger.warning(
+                "Peers %s of round %d are gone; re-forming the group.",
+                sorted(map(str, gone)),
+                self._joined_round,
+            )
+            events.emit(
+                "node.lost",
+                run_id=self.get_run_id(),
+                round=self._joined_round,
+                nodes=sorted(map(str, gone)),
+            )
+            self._joined_round = None
+            self.peers_lost = True
+            return 1
+        logger.warning(
+            "The node '%s' is no longer a participant of round %d of the rendezvous '%s' "
+            "(an etcd outage or missed heartbeats); it will rejoin.",
+            self._this_node,
+            self._joined_round,
+            self.get_run_id(),
+        )
+        events.emit("rdzv.dropped", run_id=self.get_run_id(), round=self._joined_round)
+        self._joined_round = None
+        return 1
 
 
-def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: returns the creator."""
-    return create_rdzv_handler
+def _timeout(params: RendezvousParameters, name: str) -> timedelta | None:
+    seconds = params.get_as_int(f"{name}_timeout")
+    return None if seconds is None else timedelta(seconds=seconds)
 
 
-def register() -> None:
-    """Register ``etcd-v3`` with torch's registry (for torch without entry-point discovery)."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+def build_handler(
+    store: Store, backend: RendezvousBackend, params: RendezvousParameters
+) -> EtcdRendezvousHandler:
+    """torch's ``create_handler``, building our subclass from the standard options."""
+    _install_watch_delay()
+    timeout = RendezvousTimeout(
+        *(_timeout(params, name) for name in ("join", "last_call", "close", "heartbeat"))
+    )
+    # torch's from_backend, with our state holder and op executor.
+    settings = RendezvousSettings(
+        params.run_id,
+        params.min_nodes,
+        params.max_nodes,
+        timeout,
+        keep_alive_interval=timedelta(seconds=params.get_as_int("keep_alive_interval", 5) or 5),
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
+    )
+    node = EtcdRendezvousHandler._node_desc_generator.generate(params.local_addr)
+    holder = ProbingStateHolder(backend, settings)
+    handler = EtcdRendezvousHandler(node, settings, backend.name, store, holder)
+    handler._op_executor = WaitListExecutor(node, holder, settings)
+    handler.start_liveness()
+    return handler
 
-    if not rendezvous_handler_registry._registry.get(NAME):
-        rendezvous_handler_registry.register(NAME, create_rdzv_handler)
 
-
-__all__ = ["NAME", "create_backend", "create_rdzv_handler", "etcd_options", "handler_factory"]
+__all__ = ["EtcdRendezvousHandler", "build_handler"]

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 
-from elastic.etcd_client import EtcdClient
+from elastic.etcd.client import EtcdClient
 
 logger = logging.getLogger(__name__)
 

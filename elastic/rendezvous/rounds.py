@@ -94,14 +94,19 @@ class ProbingStateHolder(_BackendRendezvousStateHolder):
             return []
         window = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
         now = datetime.now(timezone.utc)
-        late = {str(node): node for node, beat in self._state.last_heartbeats.items()
-                if now - window * SPARE_FACTOR <= beat < now - window}  # fmt: skip
+        late = {
+            str(node): node
+            for node, beat in self._state.last_heartbeats.items()
+            if now - window * SPARE_FACTOR <= beat < now - window
+        }
         if not late:
             return []
         alive = self.detector.alive([(name, node.addr) for name, node in late.items()])
         if alive:
-            logger.info("Keeping %s: heartbeats late but the agents answer their probe ports.",
-                        sorted(alive))  # fmt: skip
+            logger.info(
+                "Keeping %s: heartbeats late but the agents answer their probe ports.",
+                sorted(alive),
+            )
         return [late[name] for name in alive]
 
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastic.etcd_client import (
+from elastic.etcd.client import (
     EtcdClient,
     compare_absent,
     compare_mod,

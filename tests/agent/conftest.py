@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EtcdServer
+from elastic.etcd.server import EtcdServer
 from tests.agent.jobs import Job
 
 

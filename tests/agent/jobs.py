@@ -55,18 +55,34 @@ class Job:
     ) -> Node:
         """Start one agent (inside network namespace ``netns`` when given)."""
         overrides = {
-            "job.run_id": self.run_id, "job.max_steps": self.max_steps, "job.log_every": 1,
-            "job.min_step_s": 0.4, "job.sample_ledger": True, "optimizer.lr": LR,
-            "checkpoint.url": self.tmp / "ckpt", "checkpoint.interval": 5, **cfg,
-        }  # fmt: skip
+            "job.run_id": self.run_id,
+            "job.max_steps": self.max_steps,
+            "job.log_every": 1,
+            "job.min_step_s": 0.4,
+            "job.sample_ledger": True,
+            "optimizer.lr": LR,
+            "checkpoint.url": self.tmp / "ckpt",
+            "checkpoint.interval": 5,
+            **cfg,
+        }
         argv = [
-            PYTHON, "-m", "agents.launch", f"--nnodes={nnodes}", "--nproc-per-node=1",
-            f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf={FAST_CONF}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.3", f"--local-addr={addr}",
-            "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
+            PYTHON,
+            "-m",
+            "agents.launch",
+            f"--nnodes={nnodes}",
+            "--nproc-per-node=1",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={FAST_CONF}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.3",
+            f"--local-addr={addr}",
+            "-m",
+            "elastic.training.worker",
+            "--config",
+            str(REPO / "configs" / "tiny.yaml"),
             *(f"{k}={v}" for k, v in overrides.items()),
-        ]  # fmt: skip
+        ]
         environ = node_env(**{env.EVENT_LOG: str(self.event_log)})
         if netns:
             argv = ["ip", "netns", "exec", netns, *argv]
@@ -102,8 +118,8 @@ class Job:
 
         from elastic.checkpoint import find_latest_complete
         from elastic.checkpoint.storage import make_reader
-        from elastic.config import load_config
-        from elastic.model import build_model
+        from elastic.training.config import load_config
+        from elastic.training.model import build_model
 
         info = find_latest_complete(str(url or self.tmp / "ckpt"), run_id or self.run_id)
         assert info is not None and info.step == self.max_steps, info
@@ -115,10 +131,18 @@ class Job:
     def reference_model(self) -> dict[str, Any]:
         """Train the same job fault-free in one process (world 1) and return its model."""
         url = self.tmp / "reference"
-        argv = [PYTHON, "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
-                f"job.run_id={self.run_id}", f"job.max_steps={self.max_steps}",
-                f"checkpoint.url={url}", "checkpoint.interval=1000",
-                f"optimizer.lr={LR}"]  # fmt: skip
+        argv = [
+            PYTHON,
+            "-m",
+            "elastic.training.worker",
+            "--config",
+            str(REPO / "configs" / "tiny.yaml"),
+            f"job.run_id={self.run_id}",
+            f"job.max_steps={self.max_steps}",
+            f"checkpoint.url={url}",
+            "checkpoint.interval=1000",
+            f"optimizer.lr={LR}",
+        ]
         environ = {k: v for k, v in node_env().items() if k != env.EVENT_LOG}
         subprocess.run(argv, env=environ, cwd=REPO, check=True, capture_output=True, timeout=300)
         return self.final_model(url)

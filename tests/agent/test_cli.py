@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EtcdServer
+from elastic.etcd.server import EtcdServer
 from tests.agent.jobs import Job
 from tests.helpers import PYTHON, REPO, node_env, wait_until
 from tests.rendezvous.nodes import FAST_CONF
 
 
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, *argv], capture_output=True, text=True, timeout=timeout,
-                          env=node_env(), cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [PYTHON, *argv], capture_output=True, text=True, timeout=timeout, env=node_env(), cwd=REPO
+    )
 
 
 @pytest.mark.parametrize(
@@ -31,8 +32,16 @@ def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 def test_bad_worker_config_is_one_line_before_any_rendezvous(
     worker_args: list[str], needle: str
 ) -> None:
-    result = run("-m", "agents.launch", "--nnodes=1", "--rdzv-endpoint=127.0.0.1:1",
-                 "--rdzv-id=x", "-m", "elastic.worker", *worker_args)  # fmt: skip
+    result = run(
+        "-m",
+        "agents.launch",
+        "--nnodes=1",
+        "--rdzv-endpoint=127.0.0.1:1",
+        "--rdzv-id=x",
+        "-m",
+        "elastic.training.worker",
+        *worker_args,
+    )
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("elastic-agent")]
     assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -61,9 +70,17 @@ def test_a_users_own_ddp_script_runs_unchanged(
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
-    result = run("-m", "agents.launch", "--nnodes=1", "--nproc-per-node=2",
-                 f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
-                 f"--rdzv-conf={FAST_CONF}", str(script), str(tmp_path))  # fmt: skip
+    result = run(
+        "-m",
+        "agents.launch",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        f"--rdzv-endpoint={etcd.endpoint}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={FAST_CONF}",
+        str(script),
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     outputs = {(tmp_path / f"rank{r}").read_text() for r in range(2)}
     assert len(outputs) == 1 and next(iter(outputs)).startswith("2 ")
@@ -73,8 +90,18 @@ def test_a_users_own_ddp_script_runs_unchanged(
 def test_status_reports_members_round_and_checkpoint(job: Job) -> None:
     nodes = [job.start(n) for n in "ab"]
     wait_until(lambda: any(e["step"] >= 6 for e in job.steps()), 120, "step 6")
-    result = run("-m", "elastic.cli", "status", "--etcd", job.endpoint, "--run-id", job.run_id,
-                 "--checkpoint-url", str(job.tmp / "ckpt"), "--json")  # fmt: skip
+    result = run(
+        "-m",
+        "elastic.tools.cli",
+        "status",
+        "--etcd",
+        job.endpoint,
+        "--run-id",
+        job.run_id,
+        "--checkpoint-url",
+        str(job.tmp / "ckpt"),
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     rdzv = status["rendezvous"]
@@ -83,26 +110,27 @@ def test_status_reports_members_round_and_checkpoint(job: Job) -> None:
     assert all(m["last_heartbeat_s_ago"] < 10 for m in rdzv["members"])
     newest = status["checkpoint"]["newest_complete_step"]
     assert newest >= 5
-    from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+    from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
     from elastic.rendezvous.keys import RunKeys
 
     with EtcdClient(EtcdOptions(parse_endpoints(job.endpoint)[0])) as client:
         commits = client.range(RunKeys("/elastic", job.run_id).root + b"commits/", prefix=True)
     committed = {kv.key.decode().rsplit("-", 1)[1] for kv in commits.kvs}
     assert str(newest) in committed, "every commit passes the round fence in etcd"
-    table = run("-m", "elastic.cli", "status", "--etcd", job.endpoint, "--run-id", job.run_id)
+    table = run("-m", "elastic.tools.cli", "status", "--etcd", job.endpoint, "--run-id", job.run_id)
     assert f"run {job.run_id}" in table.stdout and "world size 2" in table.stdout
     for node in nodes:
         node.kill()
 
 
 def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
-    result = run("-m", "elastic.cli", "status", "--etcd", etcd.endpoint, "--run-id", "nobody")
+    result = run("-m", "elastic.tools.cli", "status", "--etcd", etcd.endpoint, "--run-id", "nobody")
     assert result.returncode == 0 and "no rendezvous state" in result.stdout
-    from elastic.etcd_server import free_port
+    from elastic.etcd.server import free_port
 
-    result = run("-m", "elastic.cli", "status", "--etcd", f"127.0.0.1:{free_port()}",
-                 "--run-id", "x")  # fmt: skip
+    result = run(
+        "-m", "elastic.tools.cli", "status", "--etcd", f"127.0.0.1:{free_port()}", "--run-id", "x"
+    )
     assert result.returncode == 1 and "Could not reach etcd" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -110,16 +138,46 @@ def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--etcd", "h:1", "--run-id=j", "--nnodes=1:2", "--config", "c.yaml", "job.max_steps=5"],
-         ["--rdzv-endpoint", "h:1", "--rdzv-id=j", "--nnodes=1:2", "-m", "elastic.worker",
-          "--config", "c.yaml", "job.max_steps=5"]),
-        (["--etcd=h:1", "--standalone", "--node-addr", "10.0.0.2", "train.py", "--config", "x"],
-         ["--rdzv-endpoint=h:1", "--standalone", "--local-addr", "10.0.0.2", "train.py",
-          "--config", "x"]),
-        (["--etcd=h:1", "-m", "elastic.worker", "--config", "x", "a.b=1"],
-         ["--rdzv-endpoint=h:1", "-m", "elastic.worker", "--config", "x", "a.b=1"]),
+        (
+            [
+                "--etcd",
+                "h:1",
+                "--run-id=j",
+                "--nnodes=1:2",
+                "--config",
+                "c.yaml",
+                "job.max_steps=5",
+            ],
+            [
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-id=j",
+                "--nnodes=1:2",
+                "-m",
+                "elastic.training.worker",
+                "--config",
+                "c.yaml",
+                "job.max_steps=5",
+            ],
+        ),
+        (
+            ["--etcd=h:1", "--standalone", "--node-addr", "10.0.0.2", "train.py", "--config", "x"],
+            [
+                "--rdzv-endpoint=h:1",
+                "--standalone",
+                "--local-addr",
+                "10.0.0.2",
+                "train.py",
+                "--config",
+                "x",
+            ],
+        ),
+        (
+            ["--etcd=h:1", "-m", "elastic.training.worker", "--config", "x", "a.b=1"],
+            ["--rdzv-endpoint=h:1", "-m", "elastic.training.worker", "--config", "x", "a.b=1"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_agent_option_spellings(argv: list[str], expected: list[str]) -> None:
     from agents.launch import translate_argv
 
@@ -139,9 +197,9 @@ def test_only_our_worker_starts_warm(
 ) -> None:
     from torch.distributed.run import config_from_args, get_args_parser
 
+    from agents import warm as warm_module
     from agents.launch import _warm_entrypoint, translate_argv
     from elastic import env
-    from elastic import warm as warm_module
 
     started: list[bool] = []
     monkeypatch.setattr(warm_module, "start_server", lambda: started.append(True))

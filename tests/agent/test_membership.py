@@ -30,8 +30,9 @@ def assert_same_as_fault_free(job: Job) -> None:
 def first_step_after(job: Job, ts: float, world: int) -> dict:
     return wait_until(
         lambda: next((e for e in job.steps() if e["ts"] > ts and e["world_size"] == world), None),
-        120, f"a step at world size {world}",
-    )  # fmt: skip
+        120,
+        f"a step at world size {world}",
+    )
 
 
 def test_join_then_planned_leave_lose_no_steps(job: Job) -> None:
@@ -98,7 +99,7 @@ def test_kill_9_of_an_agent_then_of_a_worker(job: Job) -> None:
 
 
 def test_restart_budget_is_kept_for_the_whole_job_in_etcd(job: Job) -> None:
-    from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+    from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
     from elastic.rendezvous.keys import RunKeys
 
     nodes = [job.start(n, max_restarts=1) for n in "ab"]

@@ -25,13 +25,15 @@ REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
-def run(cmd: list[str], timeout: float = 120, check: bool = True,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+def run(
+    cmd: list[str], timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")  # fmt: skip
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}:\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -46,16 +48,20 @@ def compose_cli() -> list[str]:
     plugin = ["docker", "compose"]
     if shutil.which("docker") and run([*plugin, "version"], check=False).returncode == 0:
         return plugin
-    pytest.fail("Neither docker-compose nor the docker compose plugin is installed; run "
-                "`bash .ci/docker-setup.sh` (apt-get install docker.io docker-compose).")
+    pytest.fail(
+        "Neither docker-compose nor the docker compose plugin is installed; run "
+        "`bash .ci/docker-setup.sh` (apt-get install docker.io docker-compose)."
+    )
 
 
 @pytest.fixture(scope="session")
 def images() -> dict[str, str]:
     """Start dockerd if none answers, build the local images (cached), return their names."""
     if not shutil.which("docker"):
-        pytest.fail("docker is not installed; run `bash .ci/docker-setup.sh` "
-                    "(apt-get install docker.io docker-compose debootstrap).")
+        pytest.fail(
+            "docker is not installed; run `bash .ci/docker-setup.sh` "
+            "(apt-get install docker.io docker-compose debootstrap)."
+        )
     if run(["docker", "info"], check=False, timeout=30).returncode != 0:
         started = run(["bash", "docker/start-dockerd.sh"], check=False, timeout=120)
         if started.returncode != 0:
@@ -100,8 +106,9 @@ class Cluster:
         self.cli = [*compose_cli(), "-f", str(REPO / "docker-compose.yml")]
         self.event_log = self.dir / "events.jsonl"
 
-    def compose(self, *args: str, timeout: float = 180,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
+    def compose(
+        self, *args: str, timeout: float = 180, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         return run([*self.cli, *args], timeout=timeout, check=check, env=self.env)
 
     def agents(self) -> list[str]:
@@ -132,8 +139,9 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster_factory(images: dict[str, str], tmp_path: Path,
-                    request: pytest.FixtureRequest) -> Iterator[Callable[..., Cluster]]:
+def cluster_factory(
+    images: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
     def make(**overrides: Any) -> Cluster:

@@ -45,10 +45,12 @@ TINY = {
 def step_at_world(cluster: Cluster, after: float, world: int, timeout: float = 180) -> dict:
     """The first train.step after ``after`` at world size ``world``."""
     return wait_until(
-        lambda: next((e for e in cluster.steps() if e["ts"] > after and e["world_size"] == world),
-                     None),
-        timeout, f"a step at world size {world} (last step {cluster.last_step()})",
-    )  # fmt: skip
+        lambda: next(
+            (e for e in cluster.steps() if e["ts"] > after and e["world_size"] == world), None
+        ),
+        timeout,
+        f"a step at world size {world} (last step {cluster.last_step()})",
+    )
 
 
 def assert_loaded_complete(url: str, run_id: str, loads: list[dict]) -> None:
@@ -75,9 +77,22 @@ def test_scale_kill_stop_and_finish(cluster_factory) -> None:
     print(f"world 2 trains after {time.monotonic() - t0:.1f} s (step {first['step']})")
 
     # `elastic status` from the host, through the published (127.0.0.1-only) etcd port.
-    status = run([sys.executable, "-m", "elastic.cli", "status",
-                  "--etcd", f"127.0.0.1:{cluster.etcd_port}", "--run-id", cluster.run_id,
-                  "--checkpoint-url", str(cluster.dir), "--json"], timeout=60)  # fmt: skip
+    status = run(
+        [
+            sys.executable,
+            "-m",
+            "elastic.tools.cli",
+            "status",
+            "--etcd",
+            f"127.0.0.1:{cluster.etcd_port}",
+            "--run-id",
+            cluster.run_id,
+            "--checkpoint-url",
+            str(cluster.dir),
+            "--json",
+        ],
+        timeout=60,
+    )
     assert json.loads(status.stdout), status.stdout
 
     # Add a node.
@@ -107,8 +122,9 @@ def test_scale_kill_stop_and_finish(cluster_factory) -> None:
     leaves = [e for e in cluster.events("node.leave") if e["ts"] > left_at]
     assert leaves, "the stopped node must leave the rendezvous itself"
     after_leave = step_at_world(cluster, left_at, 1)
-    assert min(e["step"] for e in loads_after(cluster, left_at)) >= before, \
+    assert min(e["step"] for e in loads_after(cluster, left_at)) >= before, (
         "a planned leave checkpoints first: nothing may be redone"
+    )
     print(f"world 1 at step {after_leave['step']}, {time.time() - left_at:.1f} s after the stop")
 
     # The last node finishes the job.
@@ -120,8 +136,9 @@ def test_scale_kill_stop_and_finish(cluster_factory) -> None:
 
     # What the shared volume says.
     steps = cluster.steps()
-    assert sorted({e["step"] for e in steps}) == list(range(1, MAX_STEPS + 1)), \
+    assert sorted({e["step"] for e in steps}) == list(range(1, MAX_STEPS + 1)), (
         "every step from 1 to max_steps must have run"
+    )
     assert all(math.isfinite(e["loss"]) for e in steps)
     assert {e["world_size"] for e in steps} == {1, 2, 3}
     loads = cluster.events("ckpt.load")
@@ -143,15 +160,26 @@ def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
 
     cluster = cluster_factory(**{**TINY, "ELASTIC_JOB__MAX_STEPS": S3_MAX_STEPS})
     s3_port = free_port()
-    cluster.env.update({
-        "S3_IMAGE": images["ELASTIC_MOTO_IMAGE"],
-        "S3_COMMAND": "-H 0.0.0.0 -p 9000",
-        "S3_PORT": str(s3_port),
-        "ELASTIC_RUN_ID_S3": cluster.run_id,
-    })  # fmt: skip
+    cluster.env.update(
+        {
+            "S3_IMAGE": images["ELASTIC_MOTO_IMAGE"],
+            "S3_COMMAND": "-H 0.0.0.0 -p 9000",
+            "S3_PORT": str(s3_port),
+            "ELASTIC_RUN_ID_S3": cluster.run_id,
+        }
+    )
     cluster.event_log = cluster.dir / "events-s3.jsonl"
-    cluster.compose("--profile", "s3", "up", "-d", "--no-build", "--scale", "agent-s3=2",
-                    "agent-s3", timeout=300)  # fmt: skip
+    cluster.compose(
+        "--profile",
+        "s3",
+        "up",
+        "-d",
+        "--no-build",
+        "--scale",
+        "agent-s3=2",
+        "agent-s3",
+        timeout=300,
+    )
     agents = cluster.compose("--profile", "s3", "ps", "-q", "agent-s3").stdout.split()
     assert len(agents) == 2
     assert not cluster.agents(), "naming agent-s3 must not start the volume-backed agents"
@@ -173,11 +201,11 @@ def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
     assert saves and all(e["url"].startswith("s3://") for e in saves)
     loads = cluster.events("ckpt.load")
     assert loads and all(e["url"].startswith("s3://") for e in loads), loads
-    fs = s3fs.S3FileSystem(endpoint_url=f"http://127.0.0.1:{s3_port}", key="elastic",
-                           secret="elastic-secret")  # fmt: skip
+    fs = s3fs.S3FileSystem(
+        endpoint_url=f"http://127.0.0.1:{s3_port}", key="elastic", secret="elastic-secret"
+    )
     root = f"elastic/checkpoints/{cluster.run_id}"
     final = f"{root}/step-{S3_MAX_STEPS}/COMMIT.json"
     assert fs.exists(final), fs.find(root)
     for step in {e["step"] for e in loads}:
         assert fs.exists(f"{root}/step-{step}/COMMIT.json"), f"loaded step {step} is not committed"
-

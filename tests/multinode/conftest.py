@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EtcdServer, start_etcd
+from elastic.etcd.server import EtcdServer, start_etcd
 from tests.multinode.netns import Net
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EtcdServer
+from elastic.etcd.server import EtcdServer
 from tests.agent.jobs import Job
 from tests.agent.test_membership import assert_continuous, first_step_after
 from tests.helpers import wait_until
@@ -23,8 +23,10 @@ def test_nodes_in_namespaces_join_and_survive_a_cut_link(
     hosts = [net.add_node() for _ in range(3)]
     try:
         # The survivors' collectives would time out only after 90 s: they must not wait for it.
-        a, b = (job.start(n, netns=ns, addr=addr, **{"distributed.timeout_s": 90})
-                for n, (ns, addr) in zip("ab", hosts, strict=False))  # fmt: skip
+        a, b = (
+            job.start(n, netns=ns, addr=addr, **{"distributed.timeout_s": 90})
+            for n, (ns, addr) in zip("ab", hosts, strict=False)
+        )
         wait_until(lambda: job.last_step() >= 6, 150, "step 6 at world 2")
         joined_at = time.time()
         c = job.start("c", netns=hosts[2][0], addr=hosts[2][1], **{"distributed.timeout_s": 10})

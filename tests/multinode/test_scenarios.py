@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from elastic import env
-from elastic.etcd_server import EtcdServer
+from elastic.etcd.server import EtcdServer
 from elastic.procs import descendants, kill
 from tests.agent.jobs import LR, Job, assert_models_match
 from tests.agent.test_membership import assert_continuous, first_step_after
@@ -51,10 +51,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """
     tmp = tmp_path_factory.mktemp("reference")
     url = tmp / "ckpt"
-    argv = [PYTHON, "-m", "elastic.worker", "--config", str(REPO / "configs" / "tiny.yaml"),
-            "job.run_id=reference", f"job.max_steps={STEPS}", f"checkpoint.url={url}",
-            "checkpoint.interval=1000", f"optimizer.lr={LR}",
-            *(f"{k}={v}" for k, v in DATA.items())]  # fmt: skip
+    argv = [
+        PYTHON,
+        "-m",
+        "elastic.training.worker",
+        "--config",
+        str(REPO / "configs" / "tiny.yaml"),
+        "job.run_id=reference",
+        f"job.max_steps={STEPS}",
+        f"checkpoint.url={url}",
+        "checkpoint.interval=1000",
+        f"optimizer.lr={LR}",
+        *(f"{k}={v}" for k, v in DATA.items()),
+    ]
     environ = {k: v for k, v in node_env().items() if k != env.EVENT_LOG}
     subprocess.run(argv, env=environ, cwd=REPO, check=True, capture_output=True, timeout=300)
     return Job(tmp, "", "reference", max_steps=STEPS).final_model(url)
@@ -81,8 +90,9 @@ def wait_for_world(job: Job, world: int, step: int) -> None:
     """Wait until the job trains at ``world`` nodes and has reached ``step``."""
     wait_until(
         lambda: job.last_step() >= step and job.worlds_after(0)[-1:] == [world],
-        180, f"step {step} at world size {world}",
-    )  # fmt: skip
+        180,
+        f"step {step} at world size {world}",
+    )
 
 
 def node_of_rank(job: Job, rank: int) -> str:

@@ -35,13 +35,20 @@ class Cluster:
         nproc: int = 1,
     ) -> Node:
         argv = [
-            PYTHON, "-m", "torch.distributed.run",
-            f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-            f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-            f"--rdzv-conf={conf}", f"--max-restarts={max_restarts}", "--monitor-interval=0.5",
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}",
+            f"--rdzv-backend={backend}",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf={conf}",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5",
             "--local-addr=127.0.0.1",
             *(script or [str(WORKER), str(self.records), str(self.stop_file)]),
-        ]  # fmt: skip
+        ]
         node = Node(name, argv, self.tmp, node_env(TEST_NODE=name))
         self.nodes.append(node)
         return node

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EtcdServer, free_port
+from elastic.etcd.server import EtcdServer, free_port
 from tests.helpers import wait_until
 from tests.rendezvous.nodes import Cluster
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from elastic.errors import EtcdStateError
-from elastic.etcd_client import EtcdClient
+from elastic.etcd.client import EtcdClient
 from elastic.rendezvous.backend import EtcdRendezvousBackend
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease

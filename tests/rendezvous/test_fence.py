@@ -6,8 +6,8 @@ import pytest
 
 from elastic import env
 from elastic.errors import CheckpointError
-from elastic.etcd_client import EtcdClient
-from elastic.etcd_server import EtcdServer
+from elastic.etcd.client import EtcdClient
+from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.fence import FenceSpec, RoundFence, publish_round
 from elastic.rendezvous.keys import RunKeys
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.etcd_server import EtcdServer, free_port, start_cluster
+from elastic.etcd.server import EtcdServer, free_port, start_cluster
 from tests.helpers import REPO, node_env, wait_until
 from tests.rendezvous.nodes import WORKER, Cluster
 
@@ -61,17 +61,26 @@ def agent(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         [str(Path(REPO) / ".venv" / "bin" / "elastic-agent"), *args]
         if (Path(REPO) / ".venv" / "bin" / "elastic-agent").exists()
         else ["python", "-m", "agents.launch", *args],
-        capture_output=True, text=True, timeout=timeout, env=node_env(), cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=node_env(),
+        cwd=REPO,
+    )
 
 
 def test_unreachable_etcd_is_one_clear_line(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     result = agent(
-        "--nnodes=1", f"--rdzv-endpoint={endpoint}", "--rdzv-id=x",
-        "--rdzv-conf=join_timeout=600", str(WORKER), str(tmp_path / "r"), str(tmp_path / "s"),
-    )  # fmt: skip
+        "--nnodes=1",
+        f"--rdzv-endpoint={endpoint}",
+        "--rdzv-id=x",
+        "--rdzv-conf=join_timeout=600",
+        str(WORKER),
+        str(tmp_path / "r"),
+        str(tmp_path / "s"),
+    )
     assert result.returncode == 1
     assert time.monotonic() - started < 60, "must fail long before the join timeout"
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]

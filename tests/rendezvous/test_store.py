@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
 from elastic.rendezvous.store import EtcdStore

@@ -12,9 +12,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic.errors import EtcdConnectionError
-from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
-from elastic.etcd_server import EtcdServer, find_etcd
-from elastic.rendezvous.handler import create_backend
+from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.etcd.server import EtcdServer, find_etcd
+from elastic.rendezvous.registry import create_backend
 from tests.helpers import wait_until
 from tests.rendezvous.tls import Certs, make_certs
 
@@ -41,10 +41,18 @@ class SecureEtcd:
 def etcdctl(server: EtcdServer, certs: Certs, *args: str) -> None:
     ctl = str(Path(find_etcd()).with_name("etcdctl"))
     subprocess.run(
-        [ctl, f"--endpoints=https://{server.endpoint}", f"--cacert={certs.ca}",
-         f"--cert={certs.client_cert}", f"--key={certs.client_key}", *args],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+        [
+            ctl,
+            f"--endpoints=https://{server.endpoint}",
+            f"--cacert={certs.ca}",
+            f"--cert={certs.client_cert}",
+            f"--key={certs.client_key}",
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +60,12 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureEtcd
     base = tmp_path_factory.mktemp("tls")
     certs = make_certs(base / "certs")
     tls_flags = [
-        f"--cert-file={certs.server_cert}", f"--key-file={certs.server_key}",
-        f"--trusted-ca-file={certs.ca}", "--client-cert-auth", "--auth-token-ttl=2",
-    ]  # fmt: skip
+        f"--cert-file={certs.server_cert}",
+        f"--key-file={certs.server_key}",
+        f"--trusted-ca-file={certs.ca}",
+        "--client-cert-auth",
+        "--auth-token-ttl=2",
+    ]
     server = EtcdServer(base / "data", extra=tls_flags, scheme="https").start()
     try:
         secure = SecureEtcd(server, certs)
@@ -92,9 +103,12 @@ def test_wrong_password_is_refused_clearly(secure_etcd: SecureEtcd) -> None:
 
 def test_missing_client_certificate_fails_naming_the_endpoint(secure_etcd: SecureEtcd) -> None:
     opts = EtcdOptions(
-        parse_endpoints(secure_etcd.server.endpoint)[0], ca_cert=str(secure_etcd.certs.ca),
-        user="root", password=PASSWORD, connect_timeout=1,
-    )  # fmt: skip
+        parse_endpoints(secure_etcd.server.endpoint)[0],
+        ca_cert=str(secure_etcd.certs.ca),
+        user="root",
+        password=PASSWORD,
+        connect_timeout=1,
+    )
     with EtcdClient(opts) as client, pytest.raises(EtcdConnectionError) as info:
         client.range(b"/tls/k")
     assert f"Could not reach etcd at {secure_etcd.server.endpoint}" in str(info.value)
@@ -105,7 +119,7 @@ def test_expired_auth_token_is_renewed(
 ) -> None:
     import time
 
-    caplog.set_level("INFO", logger="elastic.etcd_client")
+    caplog.set_level("INFO", logger="elastic.etcd.client")
     with EtcdClient(secure_etcd.options()) as client:
         client.put(b"/tls/t", b"1")
         later = time.monotonic() + 3.5  # the server's --auth-token-ttl is 2 s
@@ -118,10 +132,17 @@ def test_expired_auth_token_is_renewed(
 def test_rendezvous_backend_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: str) -> None:
     c = secure_etcd.certs
     params = RendezvousParameters(
-        "etcd-v3", f"https://{secure_etcd.server.endpoint}", run_id, 1, 1,
-        cacert=str(c.ca), cert=str(c.client_cert), key=str(c.client_key),
-        user="root", password=PASSWORD,
-    )  # fmt: skip
+        "etcd-v3",
+        f"https://{secure_etcd.server.endpoint}",
+        run_id,
+        1,
+        1,
+        cacert=str(c.ca),
+        cert=str(c.client_cert),
+        key=str(c.client_key),
+        user="root",
+        password=PASSWORD,
+    )
     backend, store = create_backend(params)
     _, token, ok = backend.set_state(b"state")  # type: ignore[misc]
     assert ok and backend.get_state() == (b"state", token)

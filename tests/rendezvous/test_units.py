@@ -6,10 +6,10 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic.errors import ConfigError, EtcdStateError
-from elastic.etcd_client import Endpoint, EtcdOptions, _prefix_end, parse_endpoints
+from elastic.etcd.client import Endpoint, EtcdOptions, _prefix_end, parse_endpoints
 from elastic.rendezvous.backend import decode_state, encode_state
-from elastic.rendezvous.handler import check_keep_alive, etcd_options
 from elastic.rendezvous.keys import RunKeys
+from elastic.rendezvous.registry import check_keep_alive, etcd_options
 
 
 def params(endpoint: str = "127.0.0.1:2379", **conf: object) -> RendezvousParameters:

@@ -20,13 +20,29 @@ WORKER_TIMEOUT_S = 240
 
 # A tiny but complete setup: BatchNorm CNN, 16x16 synthetic images, 6 micro-batches per step.
 TINY = {
-    "job": {"run_id": "t", "max_steps": 40, "seed": 3, "log_every": 10, "threads": 1,
-            "progress_bar": False},
+    "job": {
+        "run_id": "t",
+        "max_steps": 40,
+        "seed": 3,
+        "log_every": 10,
+        "threads": 1,
+        "progress_bar": False,
+    },
     "model": {"name": "tiny_cnn", "num_classes": 4},
-    "data": {"source": "synthetic", "num_samples": 600, "image_size": 16,
-             "global_batch_size": 24, "micro_batch_size": 4},
-    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "warmup_steps": 3,
-                  "schedule": "cosine"},
+    "data": {
+        "source": "synthetic",
+        "num_samples": 600,
+        "image_size": 16,
+        "global_batch_size": 24,
+        "micro_batch_size": 4,
+    },
+    "optimizer": {
+        "name": "sgd",
+        "lr": 0.05,
+        "momentum": 0.9,
+        "warmup_steps": 3,
+        "schedule": "cosine",
+    },
     "checkpoint": {"url": "unset", "interval": 10, "keep_last": 2, "async_save": True},
     "distributed": {"backend": "gloo", "timeout_s": 120},
 }
@@ -64,18 +80,39 @@ def tiny_config(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
-def launch(nproc: int, config: Path, overrides: list[str], events: Path,
-           extra_env: dict[str, str] | None = None, script: Path | None = None,
-           timeout: float = WORKER_TIMEOUT_S) -> WorkerRun:
+def launch(
+    nproc: int,
+    config: Path,
+    overrides: list[str],
+    events: Path,
+    extra_env: dict[str, str] | None = None,
+    script: Path | None = None,
+    timeout: float = WORKER_TIMEOUT_S,
+) -> WorkerRun:
     """Run the worker under ``torchrun --standalone`` and wait for it."""
-    target = [str(script)] if script else ["-m", "elastic.worker"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "--max-restarts=0", *target,
-           "--config", str(config), *overrides]
-    environ = {**os.environ, "ELASTIC_EVENT_LOG": str(events), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO), **(extra_env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=environ, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    target = [str(script)] if script else ["-m", "elastic.training.worker"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        *target,
+        "--config",
+        str(config),
+        *overrides,
+    ]
+    environ = {
+        **os.environ,
+        "ELASTIC_EVENT_LOG": str(events),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        **(extra_env or {}),
+    }
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=environ, capture_output=True, text=True, timeout=timeout, check=False
+    )
     return WorkerRun(proc.returncode, proc.stdout + proc.stderr, events)
 
 
@@ -84,8 +121,11 @@ def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real S3 HTTP endpoint (moto server in a subprocess); yields its URL."""
     port = _free_port()
     log = (tmp_path_factory.mktemp("moto") / "moto.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -109,9 +149,13 @@ def s3_env(moto_s3: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     import fsspec
     import s3fs
 
-    values = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-              "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": moto_s3,
-              "AWS_ENDPOINT_URL": moto_s3}
+    values = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": moto_s3,
+        "AWS_ENDPOINT_URL": moto_s3,
+    }
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": moto_s3})

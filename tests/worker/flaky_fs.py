@@ -23,7 +23,7 @@ class FlakyFileSystem(LocalFileSystem):
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
         if isinstance(path, str) and path.startswith("flaky://"):
-            path = path[len("flaky://"):]
+            path = path[len("flaky://") :]
         return super()._strip_protocol(path)
 
     def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:

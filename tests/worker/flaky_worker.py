@@ -1,4 +1,4 @@
-"""``elastic.worker`` with the ``flaky://`` test filesystem registered (run by torchrun)."""
+"""``elastic.training.worker`` plus the ``flaky://`` test filesystem (run by torchrun)."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flaky_fs import register
 
-from elastic.worker import main
+from elastic.training.worker import main
 
 if __name__ == "__main__":
     register()

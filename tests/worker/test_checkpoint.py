@@ -22,8 +22,8 @@ from elastic.checkpoint import (
     list_steps,
     step_url,
 )
-from elastic.config import CheckpointConfig
 from elastic.errors import CheckpointError
+from elastic.training.config import CheckpointConfig
 
 from .flaky_fs import FAIL_ENV, register
 
@@ -32,8 +32,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _state(value: float) -> dict:
-    return {"model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},
-            "train": {"step": int(value), "epoch": 0, "consumed": 24 * int(value)}}
+    return {
+        "model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},
+        "train": {"step": int(value), "epoch": 0, "consumed": 24 * int(value)},
+    }
 
 
 def _manager(url: str, **kw: object) -> CheckpointManager:
@@ -64,8 +66,9 @@ def test_save_then_load_roundtrip(url: str) -> None:
     assert find_latest_complete(url, RUN).step == 2
 
 
-def test_step_without_marker_is_never_loaded(tmp_path: Path,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_step_without_marker_is_never_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     url = str(tmp_path / "ckpt")
     manager = _manager(url)
     manager.save(1, _state(1.0), block=True)
@@ -78,8 +81,9 @@ def test_step_without_marker_is_never_loaded(tmp_path: Path,
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_damaged_shard_is_never_loaded(tmp_path: Path, damage: str,
-                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_damaged_shard_is_never_loaded(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     url = str(tmp_path / "ckpt")
     manager = _manager(url)
     manager.save(1, _state(1.0), block=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.config import Config, load_config
 from elastic.errors import ConfigError
+from elastic.training.config import Config, load_config
 
 from .conftest import REPO
 
@@ -28,10 +28,15 @@ def test_every_shipped_config_validates(path: Path) -> None:
 
 
 def test_layers_file_then_env_then_cli() -> None:
-    cfg = load_config(REPO / "configs/default.yaml",
-                      ["job.max_steps=7", "optimizer.name=adamw"],
-                      environ={"ELASTIC_JOB__MAX_STEPS": "5", "ELASTIC_JOB__SEED": "9",
-                               "ELASTIC_EVENT_LOG": "/ignored"})
+    cfg = load_config(
+        REPO / "configs/default.yaml",
+        ["job.max_steps=7", "optimizer.name=adamw"],
+        environ={
+            "ELASTIC_JOB__MAX_STEPS": "5",
+            "ELASTIC_JOB__SEED": "9",
+            "ELASTIC_EVENT_LOG": "/ignored",
+        },
+    )
     assert (cfg.job.max_steps, cfg.job.seed, cfg.optimizer.name) == (7, 9, "adamw")
 
 
@@ -62,9 +67,14 @@ def test_malformed_override_is_explained() -> None:
 
 
 def _run_worker(config: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastic.worker", "--config", str(config),
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "elastic.training.worker", "--config", str(config), *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -73,8 +83,10 @@ def _run_worker(config: Path, *overrides: str) -> subprocess.CompletedProcess[st
         (["job.unknown_field=1"], "unknown field 'job.unknown_field'"),
         (["model.name=not_a_model"], "unknown model"),
         (["optimizer.min_lr=2", "optimizer.lr=1"], "must not exceed lr"),
-        (["data.source=cifar10", "data.path=/nonexistent/cifar"],
-         "data.path = '/nonexistent/cifar'"),
+        (
+            ["data.source=cifar10", "data.path=/nonexistent/cifar"],
+            "data.path = '/nonexistent/cifar'",
+        ),
         (["checkpoint.url=s3:/bucket"], "malformed URL"),
     ],
     ids=["unknown-field", "unknown-model", "min-gt-max", "unreadable-data", "bad-url"],
@@ -85,7 +97,7 @@ def test_worker_rejects_bad_config_with_exit_2(
     proc = _run_worker(tiny_config(), *overrides)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("elastic.worker: error:")]
+    errors = [line for line in lines if line.startswith("elastic.training.worker: error:")]
     assert len(errors) == 1 and needle in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
 

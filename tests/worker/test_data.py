@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from elastic.config import DataConfig
-from elastic.data import SyntheticImages, build_dataset, collate
 from elastic.errors import ConfigError
+from elastic.training.config import DataConfig
+from elastic.training.data import SyntheticImages, build_dataset, collate
 
 
 def test_synthetic_is_deterministic_and_class_conditional() -> None:
@@ -32,8 +32,10 @@ def _write_cifar(fs: fsspec.AbstractFileSystem, root: str, per_batch: int = 4) -
     rng = np.random.default_rng(0)
     fs.makedirs(root, exist_ok=True)
     for n in range(1, 6):
-        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                 b"labels": [int(x) for x in rng.integers(0, 10, per_batch)]}
+        batch = {
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": [int(x) for x in rng.integers(0, 10, per_batch)],
+        }
         with fs.open(f"{root}/data_batch_{n}", "wb") as f:
             pickle.dump(batch, f)
 
@@ -43,8 +45,13 @@ def test_cifar10_pickles_from_path_or_url(tmp_path: Path, where: str) -> None:
     url = str(tmp_path / "cifar") if where == "file" else f"memory://c-{uuid.uuid4().hex[:6]}"
     fs, root = fsspec.core.url_to_fs(url)
     _write_cifar(fs, root)
-    dataset = build_dataset(DataConfig(source="cifar10", path=url, global_batch_size=4,
-                                       micro_batch_size=2, image_size=16), 10, 0)
+    dataset = build_dataset(
+        DataConfig(
+            source="cifar10", path=url, global_batch_size=4, micro_batch_size=2, image_size=16
+        ),
+        10,
+        0,
+    )
     images, labels = collate(dataset, torch.arange(20))
     assert len(dataset) == 20 and images.shape == (20, 3, 16, 16)
     assert labels.max() < 10
@@ -55,9 +62,17 @@ def test_imagefolder_classes_from_directories(tmp_path: Path) -> None:
         (tmp_path / "imgs" / cls).mkdir(parents=True)
         for i in range(3):
             Image.new("RGB", (20, 20), colour).save(tmp_path / "imgs" / cls / f"{i}.png")
-    dataset = build_dataset(DataConfig(source="imagefolder", path=str(tmp_path / "imgs"),
-                                       image_size=8, global_batch_size=2, micro_batch_size=1),
-                            2, 0)
+    dataset = build_dataset(
+        DataConfig(
+            source="imagefolder",
+            path=str(tmp_path / "imgs"),
+            image_size=8,
+            global_batch_size=2,
+            micro_batch_size=1,
+        ),
+        2,
+        0,
+    )
     images, labels = collate(dataset, torch.arange(6))
     assert dataset.classes == ["cat", "dog"]
     assert labels.tolist() == [0, 0, 0, 1, 1, 1] and images.shape == (6, 3, 8, 8)

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from elastic import events
 from elastic.checkpoint import find_latest_complete
 from elastic.checkpoint.storage import make_reader
-from elastic.config import ModelConfig
-from elastic.model import build_model
+from elastic.training.config import ModelConfig
+from elastic.training.model import build_model
 
 from .conftest import TINY, launch
 
@@ -50,15 +50,15 @@ def _ledger(path: Path) -> dict[int, list[int]]:
     return {step: sorted(indices) for step, indices in per_step.items()}
 
 
-def test_resized_run_matches_straight_run(tmp_path: Path,
-                                          tiny_config: Callable[..., Path]) -> None:
+def test_resized_run_matches_straight_run(tmp_path: Path, tiny_config: Callable[..., Path]) -> None:
     config = tiny_config(job__sample_ledger=True)
     url_a, url_b = str(tmp_path / "a"), str(tmp_path / "b")
     run = launch(2, config, [f"checkpoint.url={url_a}"], tmp_path / "a.jsonl")
     assert run.returncode == 0, run.output[-4000:]
     for nproc, stop in ((2, 20), (3, 30), (1, 40)):
-        run = launch(nproc, config, [f"checkpoint.url={url_b}", f"job.stop_at={stop}"],
-                     tmp_path / "b.jsonl")
+        run = launch(
+            nproc, config, [f"checkpoint.url={url_b}", f"job.stop_at={stop}"], tmp_path / "b.jsonl"
+        )
         assert run.returncode == 0, run.output[-4000:]
 
     loads = events.read(tmp_path / "b.jsonl", "ckpt.load")
@@ -69,8 +69,10 @@ def test_resized_run_matches_straight_run(tmp_path: Path,
     print(f"max |A - B| over {len(a)} tensors after 40 steps: {worst:.3e}")
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=RTOL, atol=ATOL, msg=key)
-    assert not torch.equal(a["0.weight"], build_model(
-        ModelConfig(name="tiny_cnn", num_classes=4)).state_dict()["0.weight"])
+    assert not torch.equal(
+        a["0.weight"],
+        build_model(ModelConfig(name="tiny_cnn", num_classes=4)).state_dict()["0.weight"],
+    )
 
     ledger_a, ledger_b = _ledger(tmp_path / "a.jsonl"), _ledger(tmp_path / "b.jsonl")
     assert sorted(ledger_b) == list(range(1, 41))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic.sampler import Cursor, ElasticSampler
+from elastic.training.sampler import Cursor, ElasticSampler
 
 
 def _sampler() -> ElasticSampler:
@@ -22,8 +22,12 @@ def test_ranks_split_each_global_batch_exactly() -> None:
     sampler = _sampler()
     indices, _ = sampler.global_batch(Cursor())
     for world in (1, 2, 3, 6):
-        parts = [i for r in range(world) for mb in sampler.for_rank(indices, r, world)
-                 for i in mb.tolist()]
+        parts = [
+            i
+            for r in range(world)
+            for mb in sampler.for_rank(indices, r, world)
+            for i in mb.tolist()
+        ]
         assert sorted(parts) == sorted(indices.tolist())
 
 

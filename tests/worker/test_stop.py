@@ -1,6 +1,6 @@
 """Graceful stop: SIGTERM to one worker stops every rank after the step, with a checkpoint.
 
-The worker that got the signal exits 0; its peers exit with ``exitcodes.REFORM``
+The worker that got the signal exits 0; its peers exit with ``reform.EXIT_CODE``
 (75), which our agent reads as "re-form the group" and plain torchrun as a failure.
 """
 
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from elastic import events, exitcodes
+from elastic import events, reform
 from elastic.checkpoint import find_latest_complete
 
 from .conftest import REPO, WORKER_TIMEOUT_S
@@ -33,16 +33,30 @@ def _wait_for_step(log: Path, rank: int, step: int, proc: subprocess.Popen[str])
     raise AssertionError(f"rank {rank} did not reach step {step}")
 
 
-def test_sigterm_to_one_rank_saves_and_peers_ask_to_reform(tmp_path: Path,
-                                                          tiny_config: Callable[..., Path]) -> None:
-    config = tiny_config(job__max_steps=100000, job__sample_ledger=True,
-                         checkpoint__interval=1000)
+def test_sigterm_to_one_rank_saves_and_peers_ask_to_reform(
+    tmp_path: Path, tiny_config: Callable[..., Path]
+) -> None:
+    config = tiny_config(job__max_steps=100000, job__sample_ledger=True, checkpoint__interval=1000)
     log = tmp_path / "events.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "--max-restarts=0", "-m", "elastic.worker", "--config", str(config)],
-        cwd=REPO, env={**os.environ, "ELASTIC_EVENT_LOG": str(log), "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=0",
+            "-m",
+            "elastic.training.worker",
+            "--config",
+            str(config),
+        ],
+        cwd=REPO,
+        env={**os.environ, "ELASTIC_EVENT_LOG": str(log), "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         os.kill(_wait_for_step(log, rank=1, step=3, proc=proc), signal.SIGTERM)
         output, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
@@ -51,7 +65,7 @@ def test_sigterm_to_one_rank_saves_and_peers_ask_to_reform(tmp_path: Path,
             proc.kill()
     failures = re.findall(r"rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", output)
     codes = dict(failures)
-    assert codes.get("0") == str(exitcodes.REFORM), output[-4000:]
+    assert codes.get("0") == str(reform.EXIT_CODE), output[-4000:]
     # torchrun stops the signalled rank once rank 0 "fails"; by then the save is committed.
     assert codes.get("1") in (None, "-15"), output[-4000:]
     last = max(e["step"] for e in events.read(log, "train.step"))

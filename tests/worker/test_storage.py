@@ -17,8 +17,9 @@ from .flaky_fs import register
 HERE = Path(__file__).resolve().parent
 
 
-def test_s3_save_and_resharded_resume(tmp_path: Path, tiny_config: Callable[..., Path],
-                                      s3_env: dict[str, str]) -> None:
+def test_s3_save_and_resharded_resume(
+    tmp_path: Path, tiny_config: Callable[..., Path], s3_env: dict[str, str]
+) -> None:
     url = f"s3://ckpt-bucket/{uuid.uuid4().hex[:8]}"
     config = tiny_config(checkpoint__url=url, checkpoint__interval=5)
     log = tmp_path / "events.jsonl"
@@ -33,17 +34,29 @@ def test_s3_save_and_resharded_resume(tmp_path: Path, tiny_config: Callable[...,
     assert list_steps(url, "t") == [15, 10]
 
 
-def test_failing_storage_never_stops_training(tmp_path: Path,
-                                              tiny_config: Callable[..., Path]) -> None:
+def test_failing_storage_never_stops_training(
+    tmp_path: Path, tiny_config: Callable[..., Path]
+) -> None:
     url = f"flaky://{tmp_path}/ckpt"
     config = tiny_config(checkpoint__url=url, checkpoint__interval=5, checkpoint__keep_last=5)
     log = tmp_path / "events.jsonl"
-    run = launch(2, config, ["job.stop_at=25"], log, script=HERE / "flaky_worker.py",
-                 extra_env={"FLAKY_FAIL": "step-15,step-20"})
+    run = launch(
+        2,
+        config,
+        ["job.stop_at=25"],
+        log,
+        script=HERE / "flaky_worker.py",
+        extra_env={"FLAKY_FAIL": "step-15,step-20"},
+    )
     assert run.returncode == 0, run.output[-4000:]
     saves = {(e["step"], e["ok"], e.get("last_good")) for e in events.read(log, "ckpt.save")}
-    assert saves == {(5, True, None), (10, True, None), (15, False, 10), (20, False, 10),
-                     (25, True, None)}
+    assert saves == {
+        (5, True, None),
+        (10, True, None),
+        (15, False, 10),
+        (20, False, 10),
+        (25, True, None),
+    }
     assert max(e["step"] for e in events.read(log, "train.step")) == 25
     assert "The newest complete checkpoint is still step 10" in run.output
     register()
@@ -53,10 +66,19 @@ def test_failing_storage_never_stops_training(tmp_path: Path,
 def test_repeated_storage_failures_stop_with_a_clear_error(
     tmp_path: Path, tiny_config: Callable[..., Path]
 ) -> None:
-    config = tiny_config(checkpoint__url=f"flaky://{tmp_path}/ckpt", checkpoint__interval=5,
-                         checkpoint__max_failures=2)
-    run = launch(2, config, ["job.stop_at=25"], tmp_path / "events.jsonl",
-                 script=HERE / "flaky_worker.py", extra_env={"FLAKY_FAIL": "step-"})
+    config = tiny_config(
+        checkpoint__url=f"flaky://{tmp_path}/ckpt",
+        checkpoint__interval=5,
+        checkpoint__max_failures=2,
+    )
+    run = launch(
+        2,
+        config,
+        ["job.stop_at=25"],
+        tmp_path / "events.jsonl",
+        script=HERE / "flaky_worker.py",
+        extra_env={"FLAKY_FAIL": "step-"},
+    )
     assert run.returncode != 0
     assert "2 checkpoint saves in a row failed" in run.output
     assert "Fix the storage at flaky://" in run.output
@@ -67,8 +89,8 @@ def test_repeated_storage_failures_stop_with_a_clear_error(
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_memory_url_in_one_process(tmp_path: Path, tiny_config: Callable[..., Path]) -> None:
     """memory:// is per process, so it is exercised in-process with a world of one."""
-    from elastic.config import load_config
-    from elastic.worker import train
+    from elastic.training.config import load_config
+    from elastic.training.worker import train
 
     url = f"memory://ckpt-{uuid.uuid4().hex[:8]}"
     config = tiny_config(checkpoint__url=url, checkpoint__interval=4)

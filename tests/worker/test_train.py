@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.config import OptimizerConfig, load_config
-from elastic.model import BatchNormStats
-from elastic.sampler import ElasticSampler
-from elastic.train import lr_lambda
-from elastic.worker import total_steps
+from elastic.training.config import OptimizerConfig, load_config
+from elastic.training.model import BatchNormStats
+from elastic.training.sampler import ElasticSampler
+from elastic.training.train import lr_lambda
+from elastic.training.worker import total_steps
 
 
 def test_lr_warmup_then_cosine_to_floor() -> None:
@@ -30,9 +30,17 @@ def test_lr_scaling_rules(rule: str, expected: float) -> None:
 
 
 def test_epochs_cap_the_step_budget() -> None:
-    cfg = load_config(None, ["job.max_steps=1000", "job.max_epochs=2",
-                             "data.num_samples=100", "data.global_batch_size=24",
-                             "data.micro_batch_size=4"], environ={})
+    cfg = load_config(
+        None,
+        [
+            "job.max_steps=1000",
+            "job.max_epochs=2",
+            "data.num_samples=100",
+            "data.global_batch_size=24",
+            "data.micro_batch_size=4",
+        ],
+        environ={},
+    )
     sampler = ElasticSampler(100, 24, 4, 0)
     assert total_steps(cfg, sampler) == 8
 

@@ -1,4 +1,4 @@
-"""The training worker: ``python -m elastic.worker --config configs/default.yaml [k=v ...]``.
+"""The training worker: ``python -m elastic.training.worker --config FILE [k=v ...]``.
 
 Run it under torch elastic (``torchrun``), which sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; without them it runs as a world
@@ -28,15 +28,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic import env, events, exitcodes
+from elastic import env, events, reform
 from elastic.checkpoint import CheckpointManager, CommitFence
-from elastic.config import Config, DistributedConfig, JobConfig, load_config
-from elastic.data import build_dataset
 from elastic.errors import CheckpointError, ConfigError
-from elastic.model import build_model
 from elastic.procs import WORKER_NAME, die_with_parent, set_name
-from elastic.sampler import Cursor, ElasticSampler
-from elastic.train import StepResult, Trainer, build_optimizer, build_scheduler
+from elastic.training.config import Config, DistributedConfig, JobConfig, load_config
+from elastic.training.data import build_dataset
+from elastic.training.model import build_model
+from elastic.training.sampler import Cursor, ElasticSampler
+from elastic.training.train import StepResult, Trainer, build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,11 @@ class _StopFlag:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        logger.warning("Received %s; stopping after this step with a checkpoint (send it "
-                       "again to stop at once).",
-                       signal.Signals(signum).name)
+        logger.warning(
+            "Received %s; stopping after this step with a checkpoint (send it "
+            "again to stop at once).",
+            signal.Signals(signum).name,
+        )
         self.requested = True
         _stop_signals.append(signum)
         signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
@@ -96,8 +98,9 @@ def init_distributed(cfg: DistributedConfig) -> DistContext:
         dist.init_process_group(backend, timeout=timeout)
     else:
         local_rank = 0
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.checkpoint_timeout_s))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return DistContext(dist.get_rank(), dist.get_world_size(), device, group)
@@ -108,8 +111,8 @@ def _wrap_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataPa
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         return DistributedDataParallel(
-            model, broadcast_buffers=False,
-            device_ids=[device] if device.type == "cuda" else None)
+            model, broadcast_buffers=False, device_ids=[device] if device.type == "cuda" else None
+        )
 
 
 def _setup_torch(cfg: JobConfig) -> None:
@@ -131,13 +134,18 @@ def total_steps(cfg: Config, sampler: ElasticSampler) -> int:
 class Worker:
     """Owns the model, optimizer, data and checkpoints of one rank."""
 
-    def __init__(self, cfg: Config, ctx: DistContext,
-                 commit_fence: CommitFence | None = None) -> None:
+    def __init__(
+        self, cfg: Config, ctx: DistContext, commit_fence: CommitFence | None = None
+    ) -> None:
         self.cfg = cfg
         self.ctx = ctx
         dataset = build_dataset(cfg.data, cfg.model.num_classes, cfg.job.seed)
-        self.sampler = ElasticSampler(len(dataset), cfg.data.global_batch_size,  # type: ignore[arg-type]
-                                      cfg.data.micro_batch_size, cfg.job.seed)
+        self.sampler = ElasticSampler(
+            len(dataset),
+            cfg.data.global_batch_size,  # type: ignore[arg-type]
+            cfg.data.micro_batch_size,
+            cfg.job.seed,
+        )
         if ctx.world_size > self.sampler.micro_batches_per_step:
             raise ConfigError(
                 f"world size {ctx.world_size} exceeds the {self.sampler.micro_batches_per_step} "
@@ -149,12 +157,22 @@ class Worker:
         self.model = _wrap_ddp(model, ctx.device)
         self.optimizer = build_optimizer(cfg.optimizer, self.model)
         self.total_steps = total_steps(cfg, self.sampler)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, self.total_steps,
-                                         ctx.world_size)
-        self.trainer = Trainer(self.model, self.optimizer, self.scheduler, dataset, self.sampler,
-                               ctx.rank, ctx.world_size, ctx.device)
-        self.checkpoints = CheckpointManager(cfg.checkpoint, cfg.job.run_id,
-                                             ctx.checkpoint_group, commit_fence)
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.optimizer, self.total_steps, ctx.world_size
+        )
+        self.trainer = Trainer(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            dataset,
+            self.sampler,
+            ctx.rank,
+            ctx.world_size,
+            ctx.device,
+        )
+        self.checkpoints = CheckpointManager(
+            cfg.checkpoint, cfg.job.run_id, ctx.checkpoint_group, commit_fence
+        )
         self.step = 0
         self.cursor = Cursor()
 
@@ -162,24 +180,36 @@ class Worker:
         """The checkpointed state: model, optimizer, LR schedule, train state."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-        train = {"step": self.step, **self.cursor.as_dict(), "world_size": self.ctx.world_size,
-                 "rng_cpu": torch.get_rng_state()}
+        train = {
+            "step": self.step,
+            **self.cursor.as_dict(),
+            "world_size": self.ctx.world_size,
+            "rng_cpu": torch.get_rng_state(),
+        }
         return {"model": model_sd, "optim": optim_sd, "scheduler": sched, "train": train}
 
     def resume(self) -> None:
         """Load the newest complete checkpoint, if any, into this (possibly resized) world."""
         restarts = int(os.environ.get(env.RESTART_COUNT, "0"))
         if self.ctx.rank == 0:
-            logger.info("Worker start: world size %d, torch elastic restart %d, run %s.",
-                        self.ctx.world_size, restarts, self.cfg.job.run_id)
+            logger.info(
+                "Worker start: world size %d, torch elastic restart %d, run %s.",
+                self.ctx.world_size,
+                restarts,
+                self.cfg.job.run_id,
+            )
         if not self.cfg.checkpoint.enabled:
             return
         loaded = self.checkpoints.load_latest(self.state_dict)
         if loaded is None:
             return
         state = loaded[1]
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
             group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
@@ -187,9 +217,15 @@ class Worker:
         torch.set_rng_state(train["rng_cpu"])
         self.step = int(train["step"])
         self.cursor = Cursor(int(train["epoch"]), int(train["consumed"]))
-        logger.info("Resumed at step %d (epoch %d, %d samples in) with world size %d; the "
-                    "checkpoint was written by world size %d.", self.step, self.cursor.epoch,
-                    self.cursor.consumed, self.ctx.world_size, int(train["world_size"]))
+        logger.info(
+            "Resumed at step %d (epoch %d, %d samples in) with world size %d; the "
+            "checkpoint was written by world size %d.",
+            self.step,
+            self.cursor.epoch,
+            self.cursor.consumed,
+            self.ctx.world_size,
+            int(train["world_size"]),
+        )
 
     def save(self, block: bool) -> None:
         """Checkpoint the current step (in the background unless ``block``)."""
@@ -222,25 +258,43 @@ class Worker:
         logger.info("Stopped at step %d of %d.", self.step, self.total_steps)
         if self.step < end and not stop.requested:
             logger.info("A peer asked the group to stop; exiting for the group to re-form.")
-            return exitcodes.REFORM
-        return exitcodes.OK
+            return reform.EXIT_CODE
+        return reform.OK
 
     def _report(self, result: StepResult, seconds: float, progress: _Progress) -> None:
         samples_per_s = self.sampler.global_batch_size / max(seconds, 1e-9)
         if self.cfg.job.sample_ledger:
-            events.emit("train.samples", step=self.step, rank=self.ctx.rank,
-                        world_size=self.ctx.world_size, epoch=result.cursor.epoch,
-                        indices=self.trainer.last_indices)
+            events.emit(
+                "train.samples",
+                step=self.step,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                epoch=result.cursor.epoch,
+                indices=self.trainer.last_indices,
+            )
         if self.ctx.rank != 0:
             return
         lr = self.optimizer.param_groups[0]["lr"]
-        events.emit("train.step", step=self.step, loss=round(result.loss, 6),
-                    samples_per_s=round(samples_per_s, 2), lr=lr,
-                    world_size=self.ctx.world_size, epoch=result.cursor.epoch)
+        events.emit(
+            "train.step",
+            step=self.step,
+            loss=round(result.loss, 6),
+            samples_per_s=round(samples_per_s, 2),
+            lr=lr,
+            world_size=self.ctx.world_size,
+            epoch=result.cursor.epoch,
+        )
         progress.update(self.step, result.loss)
         if self.step % self.cfg.job.log_every == 0 or self.step == 1:
-            logger.info("step %d/%d loss %.4f lr %.4g %.1f samples/s world %d", self.step,
-                        self.total_steps, result.loss, lr, samples_per_s, self.ctx.world_size)
+            logger.info(
+                "step %d/%d loss %.4f lr %.4g %.1f samples/s world %d",
+                self.step,
+                self.total_steps,
+                result.loss,
+                lr,
+                samples_per_s,
+                self.ctx.world_size,
+            )
 
 
 class _Progress:
@@ -253,8 +307,9 @@ class _Progress:
     def update(self, step: int, loss: float) -> None:
         if self.enabled:
             filled = int(30 * step / max(self.total, 1))
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {step}/{self.total} "
-                             f"loss {loss:.4f}")
+            sys.stderr.write(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {step}/{self.total} loss {loss:.4f}"
+            )
             sys.stderr.flush()
 
     def close(self) -> None:
@@ -284,8 +339,11 @@ def _fence_from_env() -> CommitFence | None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m elastic.worker", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m elastic.training.worker",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser.parse_args(argv)
@@ -301,16 +359,17 @@ def main(argv: list[str] | None = None) -> int:
         server = os.environ.get(env.FORK_SERVER_PID)
         die_with_parent(parent=int(server) if server else None)
     rank = os.environ.get(env.RANK, "0")
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return train(load_config(args.config, args.overrides), _fence_from_env())
     except ConfigError as exc:
-        print(f"elastic.worker: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"elastic.training.worker: error: {exc}", file=sys.stderr)
+        return reform.USAGE
     except CheckpointError as exc:
         logger.error("%s", exc)
-        return 1
+        return reform.FAILED
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ Forking after ``import torch`` is safe here: the server only imports (no CUDA
 context, no thread pool exists yet), as torch's own DataLoader workers rely on.
 
 Process tree and cleanup: agent -> fork server -> workers. The server asks
-Linux to kill it when the agent dies (:mod:`elastic.forkserver_init`; its own
+Linux to kill it when the agent dies (:mod:`agents.forkserver_init`; its own
 "alive" pipe is not enough, since the workers hold it too) and each worker asks
 the same of the server (:func:`elastic.procs.die_with_parent`), so a ``kill -9``
 of the agent still leaves no worker behind.
 
-Only our worker (``-m elastic.worker``) starts warm; a user's script runs as a
+Only our worker (``-m elastic.training.worker``) starts warm; a user's script runs as a
 fresh process exactly as under torchrun. ``ELASTIC_WARM_START=0`` turns this off.
 """
 
@@ -29,15 +29,15 @@ import sys
 import time
 from multiprocessing import forkserver
 
-from elastic import env, exitcodes
+from elastic import env, reform
 
 logger = logging.getLogger(__name__)
 
 START_METHOD = "forkserver"
-WORKER_MODULE = "elastic.worker"
+WORKER_MODULE = "elastic.training.worker"
 # Imported once by the fork server; each worker then starts with them loaded.
 PRELOAD = [
-    "elastic.forkserver_init",  # first: the server dies with the agent
+    "agents.forkserver_init",  # first: the server dies with the agent
     "torch",
     "torch.distributed.checkpoint",
     "torchvision",
@@ -66,13 +66,16 @@ def start_server() -> None:
     started = time.monotonic()
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
-    logger.info("Started the worker fork server in %.2f s; it is importing %s.",
-                time.monotonic() - started, ", ".join(PRELOAD))  # fmt: skip
+    logger.info(
+        "Started the worker fork server in %.2f s; it is importing %s.",
+        time.monotonic() - started,
+        ", ".join(PRELOAD),
+    )
 
 
 def run_worker(*argv: str) -> None:
-    """The agent's entry point in a forked worker: ``python -m elastic.worker ARGV``."""
-    from elastic.worker import main, stopped_by_signal
+    """The agent's entry point in a forked worker: ``python -m elastic.training.worker ARGV``."""
+    from elastic.training.worker import main, stopped_by_signal
 
     # As torchrun's workers: a session of our own (a Ctrl-C in the agent's terminal
     # reaches the agent, which forwards it once; a second signal would stop us
@@ -80,12 +83,12 @@ def run_worker(*argv: str) -> None:
     os.setsid()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     code = main(list(argv))
-    if code == exitcodes.OK and stopped_by_signal():
+    if code == reform.OK and stopped_by_signal():
         # Stopped by a signal: whoever sent it waits for the process to end. A forked
         # worker that returns instead waits for the agent to collect its return value,
         # which an agent busy stopping its workers never does (torch then kills it
         # after 30 s). Leave as a worker stopped for a re-form does.
-        code = exitcodes.REFORM
+        code = reform.EXIT_CODE
     if code:
         sys.exit(code)
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from elastic import reform
 from elastic.errors import ConfigError, ElasticError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
@@ -22,8 +23,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs-dir", type=Path, default=Path("runs"))
     demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     status = sub.add_parser("status", help="a run's rendezvous and newest checkpoint")
-    status.add_argument("--etcd", "--rdzv-endpoint", dest="etcd", required=True,
-                        help="host:port[,host:port...] of etcd")  # fmt: skip
+    status.add_argument(
+        "--etcd",
+        "--rdzv-endpoint",
+        dest="etcd",
+        required=True,
+        help="host:port[,host:port...] of etcd",
+    )
     status.add_argument("--run-id", required=True)
     status.add_argument("--prefix", default="/elastic")
     status.add_argument("--checkpoint-url", help="where the run writes checkpoints")
@@ -32,9 +38,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+    from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
     from elastic.rendezvous.keys import RunKeys
-    from elastic.status import checkpoint_status, format_table, rendezvous_status, status_json
+    from elastic.tools.status import checkpoint_status, format_table, rendezvous_status, status_json
 
     endpoints, https = parse_endpoints(args.etcd)
     with EtcdClient(EtcdOptions(endpoints, tls=https)) as client:
@@ -50,16 +56,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
-            from elastic.demo import run_demo
+            from elastic.tools.demo import run_demo
 
             return run_demo(args.runs_dir, args.run_id, args.config)
         return _status(args)
     except ConfigError as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)
-        return 2
+        return reform.USAGE
     except ElasticError as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)
-        return 1
+        return reform.FAILED
 
 
 if __name__ == "__main__":

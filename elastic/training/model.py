@@ -24,20 +24,31 @@ import torch.distributed as dist
 import torchvision
 from torch import nn
 
-from elastic.config import ModelConfig
+from elastic.training.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
 def tiny_cnn(num_classes: int) -> nn.Module:
     """A four-layer CNN with BatchNorm: quick enough for multi-process tests on CPU."""
-    def block(cin: int, cout: int) -> list[nn.Module]:
-        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                nn.ReLU(inplace=True)]
 
-    return nn.Sequential(*block(3, 16), nn.MaxPool2d(2), *block(16, 32), nn.MaxPool2d(2),
-                         *block(32, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(32, num_classes))
+    def block(cin: int, cout: int) -> list[nn.Module]:
+        return [
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+        ]
+
+    return nn.Sequential(
+        *block(3, 16),
+        nn.MaxPool2d(2),
+        *block(16, 32),
+        nn.MaxPool2d(2),
+        *block(32, 32),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -54,8 +65,11 @@ def _small_input_stem(model: nn.Module, name: str) -> None:
     """Use a 3x3 stride-1 stem without max-pool (the usual CIFAR variant of ResNet)."""
     conv = getattr(model, "conv1", None)
     if not isinstance(conv, nn.Conv2d) or not hasattr(model, "maxpool"):
-        logger.warning("model.small_input has no effect on %s: it applies to ResNet-style "
-                       "models with conv1 and maxpool", name)
+        logger.warning(
+            "model.small_input has no effect on %s: it applies to ResNet-style "
+            "models with conv1 and maxpool",
+            name,
+        )
         return
     model.conv1 = nn.Conv2d(conv.in_channels, conv.out_channels, 3, 1, 1, bias=False)
     model.maxpool = nn.Identity()
@@ -65,8 +79,11 @@ class BatchNormStats:
     """Makes BatchNorm running statistics independent of how micro-batches are dealt."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers = [m for m in model.modules()
-                       if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        self.layers = [
+            m
+            for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+        ]
         self._start: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._tracked: list[torch.Tensor | None] = []
         self._delta: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -74,8 +91,10 @@ class BatchNormStats:
     def begin_step(self) -> None:
         """Remember the buffers as they are at the start of the step."""
         self._start = [(m.running_mean.clone(), m.running_var.clone()) for m in self.layers]
-        self._tracked = [None if m.num_batches_tracked is None else m.num_batches_tracked.clone()
-                         for m in self.layers]
+        self._tracked = [
+            None if m.num_batches_tracked is None else m.num_batches_tracked.clone()
+            for m in self.layers
+        ]
         self._delta = [(torch.zeros_like(a), torch.zeros_like(b)) for a, b in self._start]
 
     def before_micro_batch(self) -> None:
@@ -106,7 +125,7 @@ class BatchNormStats:
         for m, (mean, var) in zip(self.layers, self._start, strict=True):
             for buf, start in ((m.running_mean, mean), (m.running_var, var)):
                 n = buf.numel()
-                buf.copy_(start + flat[offset:offset + n].view_as(buf))
+                buf.copy_(start + flat[offset : offset + n].view_as(buf))
                 offset += n
         for m, tracked in zip(self.layers, self._tracked, strict=True):
             if tracked is not None:

@@ -114,7 +114,7 @@ class EtcdServer:
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         """Poll the client port until etcd answers, or raise."""
-        from elastic.etcd_client import EtcdClient, EtcdOptions, parse_endpoints
+        from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 
         options = EtcdOptions(parse_endpoints(self.endpoint)[0], connect_timeout=0.5)
         deadline = time.monotonic() + timeout

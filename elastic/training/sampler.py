@@ -36,8 +36,9 @@ class Cursor:
 class ElasticSampler:
     """Deals global batches, cut into micro-batches, to a variable number of ranks."""
 
-    def __init__(self, num_samples: int, global_batch_size: int, micro_batch_size: int,
-                 seed: int) -> None:
+    def __init__(
+        self, num_samples: int, global_batch_size: int, micro_batch_size: int, seed: int
+    ) -> None:
         if global_batch_size % micro_batch_size:
             raise ValueError(
                 f"The global batch ({global_batch_size}) must be a multiple of the micro-batch "
@@ -83,7 +84,7 @@ class ElasticSampler:
         """Return the next global batch's indices and the cursor after it."""
         cursor = self.normalize(cursor)
         start = cursor.consumed
-        indices = self.permutation(cursor.epoch)[start:start + self.global_batch_size]
+        indices = self.permutation(cursor.epoch)[start : start + self.global_batch_size]
         return indices, Cursor(cursor.epoch, start + self.global_batch_size)
 
     def micro_batches(self, indices: torch.Tensor) -> list[torch.Tensor]:

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from elastic.config import DataConfig
 from elastic.errors import ConfigError
+from elastic.training.config import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,9 @@ _CIFAR_STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
 class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
     """Procedurally generated, class-conditional images; deterministic from ``seed``."""
 
-    def __init__(self, num_samples: int, num_classes: int, image_size: int, seed: int,
-                 noise: float = 0.6) -> None:
+    def __init__(
+        self, num_samples: int, num_classes: int, image_size: int, seed: int, noise: float = 0.6
+    ) -> None:
         self.num_samples = num_samples
         self.num_classes = num_classes
         self.image_size = image_size
@@ -47,8 +48,9 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
         self.noise = noise
         gen = torch.Generator().manual_seed(seed)
         coarse = torch.randn(num_classes, 3, 4, 4, generator=gen)
-        self.prototypes = F.interpolate(coarse, size=(image_size, image_size), mode="bilinear",
-                                        align_corners=False)
+        self.prototypes = F.interpolate(
+            coarse, size=(image_size, image_size), mode="bilinear", align_corners=False
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -93,9 +95,9 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         files = sorted(p for p in self.fs.find(root) if p.lower().endswith(_IMAGE_EXTENSIONS))
         if not files:
             raise FileNotFoundError(f"no images under {url}")
-        self.classes = sorted({p[len(root) + 1:].split("/")[0] for p in files})
+        self.classes = sorted({p[len(root) + 1 :].split("/")[0] for p in files})
         index = {name: i for i, name in enumerate(self.classes)}
-        self.samples = [(p, index[p[len(root) + 1:].split("/")[0]]) for p in files]
+        self.samples = [(p, index[p[len(root) + 1 :].split("/")[0]]) for p in files]
         self.image_size = image_size
 
     def __len__(self) -> int:
@@ -143,8 +145,7 @@ def collate(dataset: Dataset[Any], indices: torch.Tensor) -> tuple[torch.Tensor,
 def _resize(image: torch.Tensor, size: int) -> torch.Tensor:
     if image.shape[-1] == size:
         return image
-    return F.interpolate(image[None], size=(size, size), mode="bilinear",
-                         align_corners=False)[0]
+    return F.interpolate(image[None], size=(size, size), mode="bilinear", align_corners=False)[0]
 
 
 __all__ = ["Cifar10", "ImageFolder", "SyntheticImages", "build_dataset", "collate"]

@@ -1,13 +1,13 @@
 """One training step with a constant global batch, whatever the world size.
 
 Each global batch is cut into fixed micro-batches defined globally (see
-:mod:`elastic.sampler`); rank ``r`` computes micro-batches ``r, r+W, r+2W, ...``.
+:mod:`elastic.training.sampler`); rank ``r`` computes micro-batches ``r, r+W, r+2W, ...``.
 Every micro-batch loss is the mean over its samples, scaled by ``W / M`` (``M``
 micro-batches per step, ``W`` ranks). DDP averages gradients over ``W``, so the
 applied gradient is ``sum_j grad(loss_j) / M``: the gradient of the mean loss
 over the global batch, independent of ``W``. Only each rank's last micro-batch
 synchronizes; the others run under ``no_sync``. BatchNorm running statistics are
-made world-size free by :class:`elastic.model.BatchNormStats`.
+made world-size free by :class:`elastic.training.model.BatchNormStats`.
 """
 
 from __future__ import annotations
@@ -24,25 +24,30 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import Dataset
 
-from elastic.config import OptimizerConfig
-from elastic.data import collate
-from elastic.model import BatchNormStats
-from elastic.sampler import Cursor, ElasticSampler
+from elastic.training.config import OptimizerConfig
+from elastic.training.data import collate
+from elastic.training.model import BatchNormStats
+from elastic.training.sampler import Cursor, ElasticSampler
 
 
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
     """Build SGD (with momentum) or AdamW over the model's parameters."""
     if cfg.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                             weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+    )
 
 
 def lr_lambda(cfg: OptimizerConfig, total_steps: int, world_size: int) -> Callable[[int], float]:
     """Return step -> LR multiplier: scaling rule x linear warmup x cosine/step/constant decay."""
-    scale = {"none": 1.0, "linear": world_size / cfg.reference_world_size,
-             "sqrt": math.sqrt(world_size / cfg.reference_world_size)}[cfg.lr_scaling]
+    scale = {
+        "none": 1.0,
+        "linear": world_size / cfg.reference_world_size,
+        "sqrt": math.sqrt(world_size / cfg.reference_world_size),
+    }[cfg.lr_scaling]
     floor = cfg.min_lr / cfg.lr
 
     def factor(step: int) -> float:
@@ -59,8 +64,9 @@ def lr_lambda(cfg: OptimizerConfig, total_steps: int, world_size: int) -> Callab
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int,
-                    world_size: int) -> LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int, world_size: int
+) -> LambdaLR:
     """Build the LR schedule (``LambdaLR``; its state holds the step count)."""
     return LambdaLR(optimizer, lr_lambda(cfg, total_steps, world_size))
 
@@ -77,9 +83,17 @@ class StepResult:
 class Trainer:
     """Runs global-batch steps over ``sampler`` with gradient accumulation."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-                 dataset: Dataset[tuple[torch.Tensor, int]], sampler: ElasticSampler,
-                 rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LambdaLR,
+        dataset: Dataset[tuple[torch.Tensor, int]],
+        sampler: ElasticSampler,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from elastic.errors import EtcdStateError
-from elastic.etcd_client import EtcdClient
+from elastic.etcd.client import EtcdClient
 from elastic.rendezvous.backend import decode_state
 from elastic.rendezvous.keys import RunKeys
 
@@ -32,10 +32,15 @@ def rendezvous_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
             role = f"rank {state.participants[node]}" if state.complete else "joining"
         else:
             role = "waiting" if node in state.wait_list else "spare"
-        members.append({
-            "node": str(node), "addr": node.addr, "pid": node.pid, "state": role,
-            "last_heartbeat_s_ago": round((now - beat).total_seconds(), 1),
-        })  # fmt: skip
+        members.append(
+            {
+                "node": str(node),
+                "addr": node.addr,
+                "pid": node.pid,
+                "state": role,
+                "last_heartbeat_s_ago": round((now - beat).total_seconds(), 1),
+            }
+        )
     return {
         "exists": True,
         "round": state.round,

@@ -23,7 +23,7 @@ from typing import Any
 
 from elastic import env, events
 from elastic.errors import ElasticError
-from elastic.etcd_server import start_etcd
+from elastic.etcd.server import start_etcd
 from elastic.procs import children, kill
 
 RDZV_CONF = "join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -47,13 +47,26 @@ class Demo:
 
     def start_agent(self, name: str) -> None:
         argv = [
-            sys.executable, "-m", "agents.launch", "--nnodes=1:3", "--nproc-per-node=1",
-            f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-            f"--rdzv-conf={RDZV_CONF}", "--max-restarts=5", "--monitor-interval=0.5",
-            "--local-addr=127.0.0.1", "-m", "elastic.worker", "--config", str(self.config),
-            f"job.run_id={self.run_id}", f"job.max_steps={self.max_steps}",
-            f"checkpoint.url={self.run_dir / 'checkpoints'}", "checkpoint.interval=5",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "agents.launch",
+            "--nnodes=1:3",
+            "--nproc-per-node=1",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--rdzv-conf={RDZV_CONF}",
+            "--max-restarts=5",
+            "--monitor-interval=0.5",
+            "--local-addr=127.0.0.1",
+            "-m",
+            "elastic.training.worker",
+            "--config",
+            str(self.config),
+            f"job.run_id={self.run_id}",
+            f"job.max_steps={self.max_steps}",
+            f"checkpoint.url={self.run_dir / 'checkpoints'}",
+            "checkpoint.interval=5",
+        ]
         environ = {
             **os.environ,
             env.EVENT_LOG: str(self.event_log),
@@ -101,9 +114,12 @@ class Demo:
         steps = self.steps()
         before = [e for e in steps if e["ts"] < step["ts"]]
         paused = step["ts"] - before[-1]["ts"] if before else 0.0  # training stood still
-        entry.update(world=world, recover_s=round(step["ts"] - entry["t"], 2),
-                     paused_s=round(paused, 2),
-                     steps_lost=max(0, entry["step_before"] - (step["step"] - 1)))  # fmt: skip
+        entry.update(
+            world=world,
+            recover_s=round(step["ts"] - entry["t"], 2),
+            paused_s=round(paused, 2),
+            steps_lost=max(0, entry["step_before"] - (step["step"] - 1)),
+        )
 
     def kill_node(self, name: str) -> None:
         """kill -9 an agent and its workers (workers run in their own sessions)."""
@@ -156,19 +172,25 @@ def _scenario(demo: Demo) -> None:
 
 
 def _table(demo: Demo, started: float) -> str:
-    rows = [f"{'time':>7}  {'event':<8} {'node':<7} {'world':>5} {'recover_s':>9} "
-            f"{'paused_s':>8} {'lost':>4}"]  # fmt: skip
+    rows = [
+        f"{'time':>7}  {'event':<8} {'node':<7} {'world':>5} {'recover_s':>9} "
+        f"{'paused_s':>8} {'lost':>4}"
+    ]
     for e in demo.timeline:
         world, recover, paused, lost = (
             e.get(k, "?") for k in ("world", "recover_s", "paused_s", "steps_lost")
         )
-        rows.append(f"{e['t'] - started:7.1f}  {e['kind']:<8} {e['node']:<7} {world:>5} "
-                    f"{recover:>9} {paused:>8} {lost:>4}")  # fmt: skip
+        rows.append(
+            f"{e['t'] - started:7.1f}  {e['kind']:<8} {e['node']:<7} {world:>5} "
+            f"{recover:>9} {paused:>8} {lost:>4}"
+        )
     steps = demo.steps()
     if steps:
         final = steps[-1]
-        rows.append(f"final: step {final['step']} loss {final['loss']:.4f} "
-                    f"(first logged loss {steps[0]['loss']:.4f})")  # fmt: skip
+        rows.append(
+            f"final: step {final['step']} loss {final['loss']:.4f} "
+            f"(first logged loss {steps[0]['loss']:.4f})"
+        )
     rows.append(f"event log: {demo.event_log}")
     return "\n".join(rows)
 

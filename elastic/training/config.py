@@ -197,8 +197,9 @@ def validate_url(url: str) -> str:
         protocol = url.split("://", 1)[0]
         known = set(fsspec.available_protocols()) | set(fsspec.registry)
         if protocol not in known:
-            raise ValueError(f"unknown storage protocol {protocol!r}; fsspec knows e.g. file, "
-                             "s3, gcs, memory")
+            raise ValueError(
+                f"unknown storage protocol {protocol!r}; fsspec knows e.g. file, s3, gcs, memory"
+            )
         if not url.split("://", 1)[1].strip("/"):
             raise ValueError("the URL has no path after the protocol")
     return url
@@ -247,8 +248,10 @@ def load_config(
     """
     source = str(path) if path is not None else "<defaults>"
     tree = _read_yaml(path) if path is not None else {}
-    for layer in (env_overrides(os.environ if environ is None else environ),
-                  parse_overrides(overrides)):
+    for layer in (
+        env_overrides(os.environ if environ is None else environ),
+        parse_overrides(overrides),
+    ):
         tree = _merge(tree, layer)
     try:
         return Config.model_validate(tree)
@@ -269,8 +272,9 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, "
-                          f"not {type(data).__name__}.")
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of sections, not {type(data).__name__}."
+        )
     return data
 
 
@@ -297,8 +301,10 @@ def _describe(source: str, exc: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         section = ".".join(str(p) for p in first["loc"][:-1])
         allowed = _allowed_fields(section)
-        return (f"{source}: unknown field {field!r}; allowed in "
-                f"{section or 'the top level'}: {', '.join(allowed)}.")
+        return (
+            f"{source}: unknown field {field!r}; allowed in "
+            f"{section or 'the top level'}: {', '.join(allowed)}."
+        )
     more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
     value = first.get("input")
     shown = f" = {value!r}" if not isinstance(value, dict) else ""
