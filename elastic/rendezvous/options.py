@@ -1,0 +1,200 @@
+"""The ``etcd-v3`` rendezvous options, parsed once into one frozen, validated object.
+
+Options come from ``--rdzv-conf key=value,...`` (torch's ``RendezvousParameters``). Ours:
+
+==================  ==========================================================
+profile             a named set of defaults; ``fast-failover`` (see
+                    :data:`PROFILES`) is the tuned set our tests, demo and
+                    compose use. Options given explicitly win over it.
+protocol            ``http`` (default) or ``https``
+cacert              CA bundle (PEM) that signed the etcd server certificates
+cert, key           client certificate and key (PEM) for mutual TLS
+user, password      etcd user and password (etcd's auth enabled)
+prefix              key prefix, default ``/elastic``; state at prefix/run_id/
+ttl                 seconds an abandoned run's keys live; default 7200
+connect_timeout     seconds to reach etcd the first time; default 5
+request_timeout     seconds a request rides out an etcd outage; default 30
+store_timeout       seconds a blocking store read waits; default 300
+==================  ==========================================================
+
+and torch's standard ones: ``join_timeout`` (600), ``last_call_timeout`` (30),
+``close_timeout`` (30), ``heartbeat_timeout`` (5), ``keep_alive_interval`` (5) and
+``keep_alive_max_attempt`` (3). ``timeout`` and ``rank`` (set by torch's launcher for
+other backends) are accepted and ignored; anything else is refused with a sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    from elastic.etcd.client import EtcdOptions
+
+FAST_FAILOVER = "fast-failover"
+# The tuned settings: a crash is noticed within 3 s of missed heartbeats (sooner through
+# the probe port), and a round closes 1 s after the last node joined.
+PROFILES: dict[str, dict[str, str]] = {
+    FAST_FAILOVER: {
+        "last_call_timeout": "1",
+        "keep_alive_interval": "1",
+        "keep_alive_max_attempt": "3",
+    },
+}
+# The same settings as an --rdzv-conf string, for backends without profiles (c10d baselines).
+FAST_FAILOVER_CONF = ",".join(f"{k}={v}" for k, v in PROFILES[FAST_FAILOVER].items())
+
+# Heartbeats judged missing after interval x attempts; below this a busy node is
+# declared dead while alive (a split brain seen with 1 s x 2 on a 2-core machine).
+MIN_KEEP_ALIVE_ATTEMPTS = 3
+MIN_KEEP_ALIVE_WINDOW_S = 3
+_IGNORED = frozenset({"timeout", "rank"})  # set by torch's launcher for every backend
+
+
+@dataclass(frozen=True)
+class RendezvousOptions:
+    """Every option of the ``etcd-v3`` rendezvous, with its one default."""
+
+    protocol: str = "http"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    prefix: str = "/elastic"
+    ttl: int = 7200
+    connect_timeout: float = 5.0
+    request_timeout: float = 30.0
+    store_timeout: float = 300.0
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    heartbeat_timeout: float = 5.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+
+    def __repr__(self) -> str:  # never show the password
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "password"}
+        secret = "***" if self.password else None
+        return f"RendezvousOptions({shown}, password={secret})"
+
+    def __post_init__(self) -> None:
+        from elastic.errors import ConfigError
+
+        if self.protocol not in ("http", "https"):
+            raise ConfigError(f"The etcd protocol '{self.protocol}' is invalid; use http or https.")
+        for name in (
+            "ttl",
+            "connect_timeout",
+            "request_timeout",
+            "store_timeout",
+            "join_timeout",
+            "keep_alive_interval",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(
+                    f"The rendezvous option {name}={getattr(self, name)} must be "
+                    "a positive number; fix --rdzv-conf."
+                )
+        window = self.keep_alive_interval * self.keep_alive_max_attempt
+        if (
+            self.keep_alive_max_attempt < MIN_KEEP_ALIVE_ATTEMPTS
+            or window < MIN_KEEP_ALIVE_WINDOW_S
+        ):
+            raise ConfigError(
+                f"keep_alive_interval={self.keep_alive_interval:g} with keep_alive_max_attempt="
+                f"{self.keep_alive_max_attempt} declares a node dead after {window:g} s of missed "
+                f"heartbeats, which risks a split brain; use at least {MIN_KEEP_ALIVE_ATTEMPTS} "
+                f"attempts and {MIN_KEEP_ALIVE_WINDOW_S} s in all."
+            )
+
+    @classmethod
+    def parse(cls, conf: dict[str, Any], endpoint: str = "") -> RendezvousOptions:
+        """Parse ``--rdzv-conf`` (a dict of strings); raise ``ConfigError`` naming a bad one."""
+        from elastic.errors import ConfigError
+
+        conf = {k: v for k, v in conf.items() if k not in _IGNORED and v is not None}
+        profile = str(conf.pop("profile", "") or "")
+        if profile and profile not in PROFILES:
+            raise ConfigError(
+                f"The rendezvous profile '{profile}' is unknown; use one of "
+                f"{', '.join(sorted(PROFILES))}."
+            )
+        merged = {**PROFILES.get(profile, {}), **conf}
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(merged) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"Unknown rendezvous option(s) {', '.join(unknown)}; see "
+                "'elastic-agent --help' and the README for the options."
+            )
+        if "protocol" not in merged and endpoint.startswith("https://"):
+            merged["protocol"] = "https"
+        values = {name: _convert(name, known[name].type, raw) for name, raw in merged.items()}
+        return cls(**values)
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> RendezvousOptions:
+        return cls.parse(dict(params.config), params.endpoint or "")
+
+    def etcd_options(self, endpoint: str) -> EtcdOptions:
+        """Client options for ``--rdzv-endpoint`` with these TLS/auth settings."""
+        from elastic.etcd.client import EtcdOptions, parse_endpoints
+
+        endpoints, _ = parse_endpoints(endpoint or "localhost")
+        return EtcdOptions(
+            endpoints=endpoints,
+            tls=self.protocol == "https",
+            ca_cert=self.cacert,
+            cert=self.cert,
+            key=self.key,
+            user=self.user,
+            password=self.password,
+            connect_timeout=self.connect_timeout,
+            request_timeout=self.request_timeout,
+        )
+
+    def timeouts(self) -> RendezvousTimeout:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+        return RendezvousTimeout(
+            *(
+                timedelta(seconds=s)
+                for s in (
+                    self.join_timeout,
+                    self.last_call_timeout,
+                    self.close_timeout,
+                    self.heartbeat_timeout,
+                )
+            )
+        )
+
+
+def _convert(name: str, kind: Any, raw: Any) -> Any:
+    from elastic.errors import ConfigError
+
+    kind = str(kind)
+    try:
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except (TypeError, ValueError) as exc:
+        what = "a whole number" if kind.startswith("int") else "a number"
+        raise ConfigError(
+            f"The rendezvous option {name}={raw!r} is not {what}; fix --rdzv-conf."
+        ) from exc
+    return raw if raw is None else str(raw).lower() if name == "protocol" else str(raw)
+
+
+__all__ = [
+    "FAST_FAILOVER",
+    "FAST_FAILOVER_CONF",
+    "PROFILES",
+    "RendezvousOptions",
+]
