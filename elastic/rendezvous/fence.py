@@ -67,6 +67,23 @@ class FenceSpec:
     password: str | None = None
     tls: bool = False
 
+    @classmethod
+    def for_run(cls, options: EtcdOptions, keys: RunKeys, round_: int) -> FenceSpec:
+        """The spec for the workers of ``round_`` of the run at ``keys``."""
+        o = options
+        return cls(
+            endpoints=",".join(str(e) for e in o.endpoints),
+            prefix=keys.prefix,
+            run_id=keys.run_id,
+            round=round_,
+            cacert=o.ca_cert,
+            cert=o.cert,
+            key=o.key,
+            user=o.user,
+            password=o.password,
+            tls=o.tls,
+        )
+
     def to_env(self) -> str:
         return json.dumps(asdict(self))
 
