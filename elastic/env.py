@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-# Set before protobuf is first imported so that etcd3's generated code loads.
-PROTOBUF_IMPL = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
-
 # torch elastic: opt out of the agent-hosted shared TCPStore (see elastic.rendezvous.registry).
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
