@@ -1,0 +1,142 @@
+"""The wheel works without the source tree: packages, shipped configs, console scripts.
+
+Builds the wheel from a copy of the project, installs it with ``--no-deps`` into a fresh
+virtualenv, and lends that venv this interpreter's site-packages through a ``.pth`` file
+for torch & co. Directories named in a ``.pth`` file are added to ``sys.path`` but their
+own ``.pth`` files are not processed, so this environment's editable install (a finder
+registered by a ``.pth`` file) cannot shadow the wheel: the test checks that ``elastic``
+is imported from the fresh venv. Everything runs with an empty working directory, as a
+user of our Docker image (a non-editable install) would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What the wheel is built from (the Dockerfile copies the same).
+SOURCES = ("pyproject.toml", "README.md", "elastic", "agents", "configs")
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, (
+        f"{' '.join(cmd)} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    )
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built from a copy (no build/ left in, or taken from, the clone)."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=ignore)
+        else:
+            shutil.copy2(REPO / name, src / name)
+    out = root / "dist"
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    _run([*pip_wheel, "--quiet", "-w", str(out), str(src)], cwd=root)
+    (built,) = out.glob("elastic-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with only the wheel installed, borrowing this env's dependencies."""
+    root = tmp_path_factory.mktemp("venv") / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(root)], cwd=root.parent)
+    python = root / "bin" / "python"
+    pip_install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet"]
+    _run([*pip_install, "--no-deps", "--no-index", str(wheel)], cwd=root.parent)
+    purelib = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            cwd=root.parent,
+        ).strip()
+    )
+    ours = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    (purelib / "zz_borrowed_dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
+    return root
+
+
+@pytest.fixture
+def clean_env() -> dict[str, str]:
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("ELASTIC_")
+    }
+
+
+def test_wheel_holds_every_module_and_config(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {
+        p.relative_to(REPO).as_posix()
+        for top in ("elastic", "agents")
+        for p in (REPO / top).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    missing = sorted(sources - names)
+    assert not missing, f"not in the wheel (list the package in pyproject.toml): {missing}"
+    configs = {f"elastic_configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
+    assert configs, "no YAML in configs/"
+    assert configs <= names, sorted(configs - names)
+
+
+def test_installed_wheel_imports_and_validates_shipped_configs(
+    venv: Path, tmp_path: Path, clean_env: dict[str, str]
+) -> None:
+    probe = """
+import json
+import elastic, agents, elastic_configs
+import elastic.rendezvous.registry, elastic.tools.cli
+from elastic.training.config import Config, load_config
+from elastic_configs import config_path, names
+found = {}
+for name in names():
+    path = config_path(name)
+    assert isinstance(load_config(path, []), Config), name
+    found[name] = str(path)
+assert config_path("default") == config_path("default.yaml")
+try:
+    config_path("nope")
+except FileNotFoundError as exc:
+    assert "default.yaml" in str(exc), exc
+else:
+    raise AssertionError("config_path('nope') did not raise")
+print(json.dumps({"elastic": elastic.__file__, "agents": agents.__file__,
+                  "configs": elastic_configs.__file__, "found": found}))
+"""
+    out = json.loads(_run([str(venv / "bin" / "python"), "-c", probe], tmp_path, clean_env))
+    prefix = str(venv.resolve())
+    for key in ("elastic", "agents", "configs"):
+        assert str(Path(out[key]).resolve()).startswith(prefix), (key, out[key])
+    shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    assert sorted(out["found"]) == shipped
+    for path in out["found"].values():
+        assert str(Path(path).resolve()).startswith(prefix), path
+
+
+def test_console_scripts_run(venv: Path, tmp_path: Path, clean_env: dict[str, str]) -> None:
+    assert "status" in _run([str(venv / "bin" / "elastic"), "--help"], tmp_path, clean_env)
+    assert "--rdzv-conf" in _run(
+        [str(venv / "bin" / "elastic-agent"), "--help"], tmp_path, clean_env
+    )
