@@ -38,10 +38,15 @@ class CheckpointError(ElasticError):
     """Represents a checkpoint that cannot be written or read."""
 
 
+class StoreError(ElasticError):
+    """Represents a c10d store operation etcd refused, such as a value over its size limit."""
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
     "ElasticError",
     "EtcdConnectionError",
     "EtcdStateError",
+    "StoreError",
 ]

@@ -12,8 +12,10 @@ Retry policy. Until a client has reached etcd once, a request fails after
 ``connect_timeout`` (a wrong address is reported quickly). Once connected, a
 request rides out an outage (an etcd restart, a member going down) for up to
 ``request_timeout``, trying every endpoint in turn with a short backoff.
-All requests are safe to retry: writes are either idempotent puts or
-compare-and-set transactions.
+A request whose reply was lost is sent again, so a write may reach etcd twice;
+callers make that harmless: puts are idempotent, compare-and-set transactions
+fail their compare the second time, and the store's ``add`` writes a per-call
+token it checks on retry (see :mod:`elastic.rendezvous.store`).
 """
 
 from __future__ import annotations

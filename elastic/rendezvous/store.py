@@ -3,15 +3,33 @@
 Keys live under ``<prefix>/<run_id>/store/``. Blocking reads use a watch
 started at the revision of the read that missed, so no write in between can
 be lost and nothing polls. ``add`` and ``compare_set`` are etcd transactions.
+
+Retries. :meth:`EtcdClient.call` re-sends a request whose reply was lost (an
+outage, a fail-over), so a write may reach etcd twice. ``set`` and
+``compare_set`` give the same result when repeated; ``add`` does not, so each
+call writes a fresh token next to its sum, in the same transaction, under
+``<prefix>/<run_id>/store-adds/`` (outside the store, so ``num_keys`` does not
+count it). A retry whose compare fails finds its own token there and returns
+the sum the first attempt made instead of adding again.
+
+etcd refuses requests over ``--max-request-bytes`` (1.5 MiB by default); a
+value that large raises :class:`~elastic.errors.StoreError` naming the key.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
+import grpc
 import torch.distributed as dist
 
+from elastic.errors import StoreError
 from elastic.etcd.client import (
     EtcdClient,
     compare_absent,
@@ -22,6 +40,10 @@ from elastic.etcd.client import (
 )
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EtcdStore(dist.Store):
@@ -44,6 +66,9 @@ class EtcdStore(dist.Store):
         super().__init__()  # required for the pybind trampoline
         self._client = client
         self._prefix = keys.store
+        # One add token per (store, thread, key): a thread has one call in flight at a time,
+        # so a retry always finds its own token unless the add did not happen.
+        self._adds = keys.store.rstrip(b"/") + b"-adds/" + uuid.uuid4().hex.encode() + b"/"
         self._lease = lease
         if timeout is not None:
             self.set_timeout(timeout)
@@ -52,24 +77,42 @@ class EtcdStore(dist.Store):
         return self._prefix + key.encode()
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._client.put(self._key(key), _bytes(value), self._lease.id())
+        data = _bytes(value)
+        self._sized(key, data, lambda: self._client.put(self._key(key), data, self._lease.id()))
 
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, blocking until it exists or the store timeout passes."""
         return self._wait_get(self._key(key), self.timeout, key)
 
     def add(self, key: str, amount: int) -> int:
-        """Atomically add ``amount`` to the integer at ``key`` (0 when absent); return the sum."""
+        """Atomically add ``amount`` to the integer at ``key`` (0 when absent); return the sum.
+
+        Applied once even when the client re-sends the transaction after a lost reply.
+        """
         k = self._key(key)
+        mark = self._adds + str(threading.get_ident()).encode() + b"/" + key.encode()
+        token = uuid.uuid4().hex.encode()
         kvs = self._client.range(k).kvs
         while True:
             current = int(kvs[0].value) if kvs else 0
             compare = compare_mod(k, kvs[0].mod_revision) if kvs else compare_absent(k)
             new = current + amount
-            put = op_put(k, str(new).encode(), self._lease.id())
-            response = self._client.txn([compare], [put], [op_get(k)])
+            lease = self._lease.id()
+            success = [
+                op_put(k, str(new).encode(), lease),
+                op_put(mark, token + b" " + str(new).encode(), lease),
+            ]
+            response = self._client.txn([compare], success, [op_get(k), op_get(mark)])
             if response.succeeded:
                 return new
+            marks = response.responses[1].response_range.kvs
+            if marks:
+                seen, _, applied = marks[0].value.partition(b" ")
+                if seen == token:
+                    logger.debug(
+                        "Store add on '%s' was applied before a retry; not adding again.", key
+                    )
+                    return int(applied)
             kvs = response.responses[0].response_range.kvs
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
@@ -77,14 +120,18 @@ class EtcdStore(dist.Store):
         and ``expected`` is empty); return the value the key holds afterwards."""
         k, want, new = self._key(key), _bytes(expected), _bytes(desired)
         compare = compare_absent(k) if want == b"" else compare_value(k, want)
-        response = self._client.txn([compare], [op_put(k, new, self._lease.id())], [op_get(k)])
+        response = self._sized(
+            key,
+            new,
+            lambda: self._client.txn([compare], [op_put(k, new, self._lease.id())], [op_get(k)]),
+        )
         if response.succeeded:
             return new
         kvs = response.responses[0].response_range.kvs
         if not kvs:
             return want
         if want == b"" and kvs[0].value == b"":
-            self._client.put(k, new, self._lease.id())
+            self._sized(key, new, lambda: self._client.put(k, new, self._lease.id()))
             return new
         return kvs[0].value
 
@@ -108,6 +155,20 @@ class EtcdStore(dist.Store):
     deleteKey = delete_key
     getNumKeys = num_keys
 
+    def _sized(self, key: str, value: bytes, write: Callable[[], T]) -> T:
+        """Run ``write``; turn etcd's refusal of an oversized request into a StoreError."""
+        try:
+            return write()
+        except grpc.RpcError as exc:
+            if not _too_large(exc):
+                raise
+            raise StoreError(
+                f"The etcd store cannot hold the {len(value):,}-byte value of key '{key}' because "
+                "etcd refuses requests over its --max-request-bytes limit (1.5 MiB = 1,572,864 "
+                "bytes unless etcd was started with another value); store a smaller value, such "
+                "as the path of a file that holds the data."
+            ) from exc
+
     def _wait_get(self, k: bytes, timeout: timedelta, name: str) -> bytes:
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
@@ -121,6 +182,15 @@ class EtcdStore(dist.Store):
                     f"{timeout.total_seconds():g} s; a peer may have died before publishing it."
                 )
             self._client.wait_for_event(k, response.header.revision + 1, remaining)
+
+
+def _too_large(exc: grpc.RpcError) -> bool:
+    # etcd answers INVALID_ARGUMENT "request is too large" up to its gRPC receive limit
+    # (--max-request-bytes + 512 KiB) and RESOURCE_EXHAUSTED from gRPC beyond it.
+    code, details = exc.code(), exc.details() or ""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+        code == grpc.StatusCode.INVALID_ARGUMENT and "request is too large" in details
+    )
 
 
 def _bytes(value: bytes | str) -> bytes:

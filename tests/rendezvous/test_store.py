@@ -6,10 +6,13 @@ import multiprocessing as mp
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
+import grpc
 import pytest
 import torch.distributed as dist
 
+from elastic.errors import StoreError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
@@ -121,3 +124,88 @@ def test_add_from_8_processes_is_exact(etcd, run_id: str) -> None:  # type: igno
     assert sorted(seen) == list(range(1, 801)), "every add must return a distinct running total"
     with EtcdClient(EtcdOptions(parse_endpoints(etcd.endpoint)[0])) as client:
         assert make_store(client, run_id).get("counter") == b"800"
+
+
+class _ReplyLost(grpc.RpcError):
+    """What the client sees when etcd applied a request but the reply never arrived."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the reply was lost (test)"
+
+
+class _LoseFirstTxnReply:
+    """A KV stub whose first Txn reaches etcd and is applied, and whose reply is then lost."""
+
+    def __init__(self, kv: Any) -> None:
+        self._kv = kv
+        self.lost = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def Txn(self, request: Any, **kwargs: Any) -> Any:
+        response = self._kv.Txn(request, **kwargs)
+        if self.lost == 0:
+            self.lost += 1
+            raise _ReplyLost()
+        return response
+
+
+def test_add_is_applied_once_when_the_reply_is_lost_and_the_client_retries(
+    client: EtcdClient, run_id: str
+) -> None:
+    store = make_store(client, run_id)
+    conn = client._conn(0)
+    lossy = _LoseFirstTxnReply(conn.kv)
+    conn.kv = lossy
+    before = client.requests
+    assert store.add("barrier", 1) == 1
+    assert lossy.lost == 1 and client.requests - before >= 3, "the txn must have been re-sent"
+    assert store.get("barrier") == b"1"
+    assert store.add("barrier", 1) == 2  # later adds still count
+    assert store.num_keys() == 1, "add tokens must not show up as store keys"
+
+
+def test_add_retry_after_a_peer_added_returns_the_first_result(
+    client: EtcdClient,
+    etcd,
+    run_id: str,  # type: ignore[no-untyped-def]
+) -> None:
+    store = make_store(client, run_id)
+    store.add("n", 10)
+    conn = client._conn(0)
+    peer_added = False
+
+    class PeerAddsBeforeRetry(_LoseFirstTxnReply):
+        def Txn(self, request: Any, **kwargs: Any) -> Any:
+            nonlocal peer_added
+            response = self._kv.Txn(request, **kwargs)
+            if self.lost == 0:
+                self.lost += 1
+                with EtcdClient(EtcdOptions(parse_endpoints(etcd.endpoint)[0])) as other:
+                    make_store(other, run_id).add("n", 100)
+                peer_added = True
+                raise _ReplyLost()
+            return response
+
+    conn.kv = PeerAddsBeforeRetry(conn.kv)
+    assert store.add("n", 1) == 11
+    assert peer_added
+    assert store.get("n") == b"111"
+
+
+@pytest.mark.parametrize("size", [int(1.6 * 2**20), 3 * 2**20])
+def test_oversized_value_raises_store_error_naming_key_size_and_limit(
+    store: EtcdStore, size: int
+) -> None:
+    value = b"x" * size
+    with pytest.raises(StoreError, match=rf"{size:,}-byte value of key 'big'.*--max-request-bytes"):
+        store.set("big", value)
+    with pytest.raises(StoreError, match=r"key 'cas'"):
+        store.compare_set("cas", "", value)
+    assert not store.check(["big", "cas"])
+    store.set("big", b"x" * 2**20)  # 1 MiB fits
+    assert len(store.get("big")) == 2**20
