@@ -23,3 +23,4 @@ ETCD_BIN = "ELASTIC_ETCD_BIN"  # etcd binary for the embedded server and the tes
 FORK_SERVER_PID = "ELASTIC_FORK_SERVER_PID"  # set by the warm-start fork server for its workers
 WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (see agents.warm)
 FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fencing)
+SECRET_FILE = "ELASTIC_SECRET_FILE"  # per-job secret that signs checkpoint commit markers

@@ -1,0 +1,145 @@
+"""The per-job secret that signs checkpoint commit markers (HMAC-SHA256).
+
+Whoever can write checkpoint storage could otherwise run code in the workers:
+DCP unpickles ``.metadata``. A marker signed with this secret is trusted; the
+signature is checked before anything of the step is unpickled.
+
+Where the secret comes from, first match wins:
+
+1. ``$ELASTIC_SECRET_FILE``: a file readable only by the job's user, the same
+   file (same bytes) on every node; it must exist and be non-empty;
+2. a local run (no elastic agent, every rank on this host): a secret generated
+   once and stored (mode 0600) at ``$XDG_CONFIG_HOME/elastic/secret``
+   (default ``~/.config/elastic/secret``);
+3. none: a warning, once per process, and checkpoints are checked with CRC-32
+   only (this protects against torn files, not against tampering).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+from elastic import env
+from elastic.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_SECRET_BYTES = 32
+_DOMAIN = b"elastic-checkpoint-marker-v2\0"
+_warned = False
+
+
+def secret_path(environ: Mapping[str, str] | None = None) -> Path:
+    """Where a local run keeps its generated secret."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "elastic" / "secret"
+
+
+def is_local_run(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether every rank of this job runs on this host and no elastic agent manages it."""
+    environ = os.environ if environ is None else environ
+    if environ.get(env.FENCE):
+        return False  # our agent: nodes come and go, a per-host secret would not match
+    world = environ.get(env.WORLD_SIZE)
+    return world is None or environ.get(env.LOCAL_WORLD_SIZE) == world
+
+
+def job_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """Return this job's signing secret, or ``None`` (with one warning) when there is none.
+
+    Raises:
+        ConfigError: ``$ELASTIC_SECRET_FILE`` names a file that is missing or empty.
+    """
+    environ = os.environ if environ is None else environ
+    named = environ.get(env.SECRET_FILE)
+    if named:
+        return _read(Path(named))
+    if is_local_run(environ):
+        path = secret_path(environ)
+        try:
+            return _read_or_create(path)
+        except OSError as exc:
+            _warn_once(f"the local secret {path} cannot be created ({exc.strerror})")
+            return None
+    _warn_once(f"${env.SECRET_FILE} is not set")
+    return None
+
+
+def sign(secret: bytes, content: bytes) -> str:
+    """HMAC-SHA256 of ``content`` under ``secret``, hex."""
+    return hmac.new(secret, _DOMAIN + content, hashlib.sha256).hexdigest()
+
+
+def verify(secret: bytes, content: bytes, signature: object) -> bool:
+    """Whether ``signature`` is the HMAC of ``content`` under ``secret`` (constant time)."""
+    return isinstance(signature, str) and hmac.compare_digest(sign(secret, content), signature)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        data = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"Cannot read the checkpoint secret {path} named by ${env.SECRET_FILE} "
+            f"({exc.strerror}); create it on every node, e.g. with "
+            f"'head -c 32 /dev/urandom | base64 > {path}; chmod 600 {path}'."
+        ) from exc
+    if not data:
+        raise ConfigError(
+            f"The checkpoint secret {path} named by ${env.SECRET_FILE} is empty; write at "
+            "least 32 random bytes into it (the same file on every node)."
+        )
+    with contextlib.suppress(OSError):
+        if path.stat().st_mode & 0o077:
+            logger.warning(
+                "The checkpoint secret %s is readable by other users; run 'chmod 600 %s'.",
+                path,
+                path,
+            )
+    return data
+
+
+def _read_or_create(path: Path) -> bytes:
+    """Read the local secret, creating it atomically (mode 0600) if it does not exist."""
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secrets.token_hex(_SECRET_BYTES).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # fails if another process created it first: theirs wins
+            logger.info("Generated the checkpoint signing secret %s.", path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return _read(path)
+
+
+def _warn_once(why: str) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    logger.warning(
+        "No checkpoint signing secret (%s): checkpoints are checked with CRC-32 only, so "
+        "whoever can write the checkpoint storage can run code in the workers; set $%s "
+        "to a secret file shared by every node.",
+        why,
+        env.SECRET_FILE,
+    )
+
+
+__all__ = ["is_local_run", "job_secret", "secret_path", "sign", "verify"]
