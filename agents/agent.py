@@ -3,7 +3,7 @@
 Small hooks into torch's agent:
 
 * **Re-form on request.** A worker that stops because a *peer* asked the group
-  to stop (a planned leave elsewhere) exits with :data:`REFORM_EXIT_CODE`. The
+  to stop (a planned leave elsewhere) exits with :data:`elastic.reform.EXIT_CODE`. The
   agent treats that as a change of membership, not a failure: it re-runs the
   rendezvous without spending a restart.
 * **A job-wide restart budget.** ``--max-restarts`` counts failed rounds of
@@ -33,16 +33,18 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic import env, events, reform
-from elastic.rendezvous.handler import EtcdRendezvousHandler
+from elastic.rendezvous.handler import ChangeKind, EtcdRendezvousHandler, MembershipChange
 
 logger = logging.getLogger(__name__)
 
-REFORM_EXIT_CODE = reform.EXIT_CODE
 LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit before SIGKILL
+_PEER_GONE = (ChangeKind.PEERS_LOST, ChangeKind.DROPPED)
 
 
 class NodeAgent(LocalElasticAgent):
     """LocalElasticAgent that re-forms on request and leaves the rendezvous when told to stop."""
+
+    _change: MembershipChange | None = None  # what made the current restart, once seen
 
     def _handler(self) -> EtcdRendezvousHandler | None:
         handler = self._worker_group.spec.rdzv_handler
@@ -57,14 +59,15 @@ class NodeAgent(LocalElasticAgent):
             worker_env[env.FENCE] = os.environ[env.FENCE]
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        handler = self._handler()
-        if handler is not None and handler.peers_lost:
+        change, self._change = self._change, None
+        if change is not None and change.kind in _PEER_GONE:
             # A peer vanished mid-run: our workers are (or soon will be) blocked in a
             # collective with it, where a stop request cannot reach them; they could only
             # wait for the collective timeout. A worker that is already finishing (a peer's
             # planned leave) exits well within the grace; the rest are killed after it.
             logger.warning(
-                "A peer is gone: stopping the workers, killing them after %d s.", LOST_PEER_GRACE_S
+                "A peer is gone: stopping the workers, killing them after %d s.",
+                LOST_PEER_GRACE_S,
             )
             self._shutdown(death_sig=signal.SIGTERM, timeout=LOST_PEER_GRACE_S)
             return
@@ -73,15 +76,43 @@ class NodeAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         handler = self._handler()
-        if handler is None or result.state != WorkerState.FAILED or not result.failures:
+        if handler is None:
             return result
-        if all(f.exitcode == REFORM_EXIT_CODE for f in result.failures.values()):
+        if result.state == WorkerState.HEALTHY:
+            self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
+            return result
+        if result.state != WorkerState.FAILED or not result.failures:
+            return result
+        if all(f.exitcode == reform.EXIT_CODE for f in result.failures.values()):
             logger.info("Workers stopped for a membership change; re-forming the group.")
             events.emit("worker.restart", reason="reform", run_id=handler.get_run_id())
             handler.request_reform()
             return RunResult(state=WorkerState.HEALTHY)
         self._spend_job_restart(handler)
         return result
+
+    def _note_change(self, handler: EtcdRendezvousHandler) -> None:
+        """Ask the handler whether the group must re-form; log and record why, once."""
+        change = handler.membership_change()
+        if change is None or change == self._change:
+            return
+        self._change = change
+        run_id = handler.get_run_id()
+        if change.kind is ChangeKind.PEERS_LOST:
+            logger.warning(
+                "Peers %s of round %s are gone; re-forming the group.",
+                list(change.nodes),
+                change.round,
+            )
+            events.emit("node.lost", run_id=run_id, round=change.round, nodes=list(change.nodes))
+        elif change.kind is ChangeKind.DROPPED:
+            logger.warning(
+                "This node is no longer a participant of round %s of the rendezvous "
+                "'%s' (an etcd outage or missed heartbeats); it will rejoin.",
+                change.round,
+                run_id,
+            )
+            events.emit("rdzv.dropped", run_id=run_id, round=change.round)
 
     def _spend_job_restart(self, handler: EtcdRendezvousHandler) -> None:
         """Make ``--max-restarts`` a budget of the whole job, kept in etcd, not per agent."""
@@ -126,7 +157,7 @@ class _ReformIsNotAFailure(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         msg = record.msg if isinstance(record.msg, str) else ""
-        if msg.startswith("failed (exitcode") and args and args[0] == REFORM_EXIT_CODE:
+        if msg.startswith("failed (exitcode") and args and args[0] == reform.EXIT_CODE:
             record.levelno, record.levelname, record.exc_info = logging.INFO, "INFO", None
             record.msg, record.args = (
                 "Worker (pid %s) stopped for the group to re-form.",
@@ -144,4 +175,4 @@ def install() -> None:
     mp_api.logger.addFilter(_ReformIsNotAFailure())
 
 
-__all__ = ["REFORM_EXIT_CODE", "NodeAgent", "install"]
+__all__ = ["LOST_PEER_GRACE_S", "NodeAgent", "install"]

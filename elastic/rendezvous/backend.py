@@ -1,5 +1,8 @@
 """``RendezvousBackend`` on etcd v3: storage only, compare-and-set on a token.
 
+Everything else a run keeps in etcd (fence, restart ledger, probe ports, the change
+watch) is in :mod:`elastic.rendezvous.ledger`.
+
 The token is the state key's ``mod_revision``. ``set_state`` is one etcd
 transaction: *if* the key was last modified at ``token`` (or, for a ``None``
 token, does not exist) *then* put the new state *else* read the current one.
@@ -23,6 +26,7 @@ from elastic.errors import EtcdStateError
 from elastic.etcd.client import EtcdClient, compare_absent, compare_mod, op_get, op_put
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
+from elastic.rendezvous.ledger import as_revision
 
 _MAGIC = b"EV3\x01"
 _HEADER = struct.Struct(">4sI")  # magic, crc32 of the payload
@@ -83,7 +87,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if token is None:
             compare = compare_absent(self._key)
         else:
-            revision = _as_revision(token)
+            revision = as_revision(token)
             if revision is None:
                 return self._current()
             compare = compare_mod(self._key, revision)
@@ -96,52 +100,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         time.sleep(random.uniform(0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**self._losses)))
         return self._from_range(response.responses[0].response_range.kvs)
 
-    def publish_fence(self, round_: int) -> str:
-        """Advance the commit fence to ``round_``; return the spec workers need (JSON)."""
-        from elastic.rendezvous.fence import FenceSpec, publish_round
-
-        publish_round(self._client, self._keys, round_, self._lease.id())
-        o = self._client.options
-        return FenceSpec(
-            endpoints=",".join(str(e) for e in o.endpoints),
-            prefix=self._keys.prefix,
-            run_id=self._keys.run_id,
-            round=round_,
-            cacert=o.ca_cert,
-            cert=o.cert,
-            key=o.key,
-            user=o.user,
-            password=o.password,
-            tls=o.tls,
-        ).to_env()
-
-    def record_failed_round(self, round_: int) -> int:
-        """Count a failed round once for the whole job; return how many rounds failed.
-
-        Every agent of a failed round calls this; only the first creates the key.
-        """
-        key = self._keys.restarts + str(round_).encode()
-        self._client.txn([compare_absent(key)], [op_put(key, b"1", self._lease.id())], [])
-        return self._client.range(self._keys.restarts, prefix=True, count_only=True).count
-
-    def publish_probe(self, node: str, port: int) -> None:
-        """Record the probe port of this agent's node (see :mod:`elastic.rendezvous.liveness`)."""
-        self._client.put(self._keys.probes + node.encode(), str(port).encode(), self._lease.id())
-
-    def probe_ports(self) -> dict[str, int]:
-        """Every published probe port, by node name."""
-        kvs = self._client.range(self._keys.probes, prefix=True).kvs
-        start = len(self._keys.probes)
-        return {kv.key[start:].decode(): int(kv.value) for kv in kvs if kv.value.isdigit()}
-
-    def wait_for_change(self, token: Token, timeout: float) -> bool:
-        """Block until the state changes after revision ``token`` (True) or ``timeout`` passes."""
-        revision = _as_revision(token)
-        if revision is None:
-            time.sleep(timeout)
-            return False
-        return self._client.wait_for_event(self._key, revision + 1, timeout)
-
     def _current(self) -> tuple[bytes, Token, bool] | None:
         return self._from_range(self._client.range(self._key).kvs)
 
@@ -149,15 +107,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if not kvs:
             return None
         return decode_state(kvs[0].value, self._key), kvs[0].mod_revision, False
-
-
-def _as_revision(token: Token) -> int | None:
-    if isinstance(token, bool):
-        return None
-    try:
-        return int(token)
-    except (TypeError, ValueError):
-        return None
 
 
 __all__ = ["EtcdRendezvousBackend", "decode_state", "encode_state"]

@@ -1,4 +1,11 @@
-"""torch's DynamicRendezvousHandler plus one fix: a node dropped while alive rejoins.
+"""The ``etcd-v3`` handler: torch's DynamicRendezvousHandler plus one query for the agent.
+
+The agent asks :meth:`EtcdRendezvousHandler.membership_change` at every monitor tick; it
+answers, without side effects, whether this node's round is still the job (see
+:class:`MembershipChange`). The run's other records (fence, restart ledger, probe ports,
+change watch) are in the :class:`~elastic.rendezvous.ledger.RunLedger` the handler is given.
+
+Why a node must notice a changed round itself:
 
 torch judges a node dead when its last heartbeat in the shared state is older
 than ``keep_alive_interval * keep_alive_max_attempt``. An etcd outage longer
@@ -36,7 +43,9 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from enum import Enum
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
@@ -48,12 +57,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     RendezvousSettings,
-    RendezvousTimeout,
 )
 
 from elastic import env, events
-from elastic.rendezvous.backend import EtcdRendezvousBackend
+from elastic.rendezvous.ledger import RunLedger
 from elastic.rendezvous.liveness import DeathDetector, ProbeListener
+from elastic.rendezvous.options import RendezvousOptions
 from elastic.rendezvous.rounds import LeaveOp, ProbingStateHolder, WaitListExecutor
 
 logger = logging.getLogger(__name__)
@@ -82,19 +91,76 @@ def _install_watch_delay() -> None:
         dynamic_rendezvous._delay = _delay_or_watch
 
 
+class ChangeKind(str, Enum):
+    """Why the group must re-form (see :meth:`EtcdRendezvousHandler.membership_change`)."""
+
+    REQUESTED = "requested"  # the agent asked (its workers stopped for a peer's leave)
+    JOINERS = "joiners"  # nodes wait to join
+    PEERS_LOST = "peers_lost"  # a peer left the round: expired, reaped or left
+    DROPPED = "dropped"  # this node is no longer a participant of its round
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """A reason to re-form the group, and the nodes it concerns (``JOINERS``: how many)."""
+
+    kind: ChangeKind
+    round: int | None
+    nodes: tuple[str, ...] = ()
+    waiting: int = 0
+
+
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """DynamicRendezvousHandler that rejoins when dropped, and records each round as an event."""
 
     _joined_round: int | None = None
     _peers: frozenset[object] | set[object] = frozenset()
     _reform_requested: bool = False
-    peers_lost: bool = False  # a peer left the current round (expired, reaped or left)
+    _ledger: RunLedger | None = None
     _listener: ProbeListener | None = None
     _detector: DeathDetector | None = None
+
+    def attach(self, ledger: RunLedger) -> None:
+        """Use the run's ledger, and listen on a probe port published in it."""
+        self._ledger = ledger
+        self._listener = ProbeListener()
+        ledger.publish_probe(str(self._this_node), self._listener.port)
+        self._detector = DeathDetector(ledger.probe_ports)
+        if isinstance(self._state_holder, ProbingStateHolder):
+            self._state_holder.detector = self._detector
 
     def request_reform(self) -> None:
         """Make the agent re-rendezvous at its next check (a planned change of membership)."""
         self._reform_requested = True
+
+    def membership_change(self) -> MembershipChange | None:
+        """Whether the group must re-form now, and why; None while the round is the job.
+
+        The one query the agent asks at every monitor tick. It reads the state (one etcd
+        read at most, as torch's ``num_nodes_waiting``) and changes nothing.
+        """
+        waiting = super().num_nodes_waiting()
+        if self._reform_requested:
+            return MembershipChange(ChangeKind.REQUESTED, self._joined_round, waiting=waiting)
+        if waiting:
+            return MembershipChange(ChangeKind.JOINERS, self._joined_round, waiting=waiting)
+        if self._joined_round is None:
+            return None
+        with self._heartbeat_lock:  # the heartbeat thread's sync replaces and prunes it
+            state = self._state_holder.state
+            round_, participants = state.round, set(state.participants)
+        if round_ != self._joined_round or self._this_node not in participants:
+            return MembershipChange(ChangeKind.DROPPED, self._joined_round, (str(self._this_node),))
+        gone = self._peers - participants
+        if gone:
+            return MembershipChange(ChangeKind.PEERS_LOST, round_, tuple(sorted(map(str, gone))))
+        return None
+
+    def num_nodes_waiting(self) -> int:
+        """torch's contract for any agent: > 0 when the group must re-form (see
+        :meth:`membership_change`: also when a peer is lost or this node was dropped)."""
+        change = self.membership_change()
+        return 0 if change is None else max(change.waiting, 1)
 
     def leave(self, timeout: float = 10.0) -> None:
         """Leave the rendezvous now, so the others need not wait for heartbeats to expire."""
@@ -102,23 +168,39 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._stop_heartbeats()
         with self._heartbeat_lock:
             self._op_executor.run(LeaveOp(), time.monotonic() + timeout)
+        seconds = time.monotonic() - started
         events.emit(
             "node.leave",
             run_id=self.get_run_id(),
             node=str(self._this_node),
-            seconds=round(time.monotonic() - started, 3),
+            seconds=round(seconds, 3),
         )
         logger.info(
             "The node '%s' left the rendezvous '%s' in %.2f s.",
             self._this_node,
             self.get_run_id(),
-            time.monotonic() - started,
+            seconds,
         )
+
+    def shutdown(self) -> bool:
+        """See base class; also closes the probe port and the etcd client."""
+        try:
+            return super().shutdown()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release this handler's probe port and etcd client (after leave or shutdown)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._ledger is not None:
+            self._ledger.close()
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
         self._reform_requested = False
-        self.peers_lost = False
+        self._joined_round = None
         _waiter.fn = self._wait_for_state_change
         try:
             info = super().next_rendezvous()
@@ -128,7 +210,10 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._joined_round = state.round
         self._peers = set(state.participants)
         self._verify_peers()
-        self._publish_fence(state.round)
+        if self._ledger is not None:
+            # The workers we start next read it (warm ones fork from a server that took
+            # the agent's environment before this; the agent hands it on).
+            os.environ[env.FENCE] = self._ledger.publish_fence(state.round)
         events.emit(
             "rdzv.round",
             run_id=self.get_run_id(),
@@ -139,29 +224,11 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         )
         return info
 
-    def _publish_fence(self, round_: int) -> None:
-        """Advance the commit fence to this round and hand it to the workers we start."""
-        publish = getattr(self._state_holder._backend, "publish_fence", None)
-        if publish is not None:
-            os.environ[env.FENCE] = publish(round_)
-
     def record_failed_round(self) -> int | None:
-        """Count this round's failure in the job-wide ledger; None if there is no ledger."""
-        record = getattr(self._state_holder._backend, "record_failed_round", None)
-        if record is None or self._joined_round is None:
+        """Count this round's failure in the job-wide ledger; None before any round."""
+        if self._ledger is None or self._joined_round is None:
             return None
-        return record(self._joined_round)
-
-    def start_liveness(self) -> None:
-        """Listen on a probe port and publish it, so peers can prove this node dead fast."""
-        backend = self._state_holder._backend
-        if not isinstance(backend, EtcdRendezvousBackend):
-            return
-        self._listener = ProbeListener()
-        backend.publish_probe(str(self._this_node), self._listener.port)
-        self._detector = DeathDetector(backend.probe_ports)
-        if isinstance(self._state_holder, ProbingStateHolder):
-            self._state_holder.detector = self._detector
+        return self._ledger.record_failed_round(self._joined_round)
 
     def _verify_peers(self) -> None:
         """Probe the new round's peers once (they are alive now), in the background, so a
@@ -203,14 +270,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._reap_dead_peers():
             return  # sync the removal now
         token = self._state_holder._token
-        wait = getattr(self._state_holder._backend, "wait_for_change", None)
         state = self._state_holder.state
         crowd = len(state.participants) + len(state.wait_list)
-        if token is None or wait is None or crowd > _MAX_WATCH_CROWD:
+        if token is None or self._ledger is None or crowd > _MAX_WATCH_CROWD:
             _torch_delay(seconds)
             return
         started = time.monotonic()
-        if wait(token, seconds):
+        if self._ledger.wait_for_change(token, seconds):
             # Coalesce a burst of changes into one re-read per gap, then make that sync
             # read etcd instead of the holder's one-second cache (which would turn each
             # wake into a busy loop).
@@ -219,76 +285,31 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
                 time.sleep(remaining)
             self._state_holder._last_sync_time = -1.0
 
-    def num_nodes_waiting(self) -> int:
-        """See base class; also > 0 when this node was dropped from its round."""
-        waiting = super().num_nodes_waiting()
-        if self._reform_requested:
-            return max(waiting, 1)
-        if waiting or self._joined_round is None:
-            return waiting
-        with self._heartbeat_lock:  # the heartbeat thread's sync replaces and prunes it
-            state = self._state_holder.state
-            round_, participants = state.round, set(state.participants)
-        if round_ == self._joined_round and self._this_node in participants:
-            gone = self._peers - participants
-            if not gone:
-                return 0
-            # A peer's heartbeats expired (or it left): our collectives would only block
-            # until their timeout. Re-form now instead.
-            logger.warning(
-                "Peers %s of round %d are gone; re-forming the group.",
-                sorted(map(str, gone)),
-                self._joined_round,
-            )
-            events.emit(
-                "node.lost",
-                run_id=self.get_run_id(),
-                round=self._joined_round,
-                nodes=sorted(map(str, gone)),
-            )
-            self._joined_round = None
-            self.peers_lost = True
-            return 1
-        logger.warning(
-            "The node '%s' is no longer a participant of round %d of the rendezvous '%s' "
-            "(an etcd outage or missed heartbeats); it will rejoin.",
-            self._this_node,
-            self._joined_round,
-            self.get_run_id(),
-        )
-        events.emit("rdzv.dropped", run_id=self.get_run_id(), round=self._joined_round)
-        self._joined_round = None
-        return 1
-
-
-def _timeout(params: RendezvousParameters, name: str) -> timedelta | None:
-    seconds = params.get_as_int(f"{name}_timeout")
-    return None if seconds is None else timedelta(seconds=seconds)
-
 
 def build_handler(
-    store: Store, backend: RendezvousBackend, params: RendezvousParameters
+    store: Store,
+    backend: RendezvousBackend,
+    ledger: RunLedger,
+    params: RendezvousParameters,
+    options: RendezvousOptions,
 ) -> EtcdRendezvousHandler:
-    """torch's ``create_handler``, building our subclass from the standard options."""
+    """torch's ``create_handler`` with our subclasses, from the parsed options."""
     _install_watch_delay()
-    timeout = RendezvousTimeout(
-        *(_timeout(params, name) for name in ("join", "last_call", "close", "heartbeat"))
-    )
     # torch's from_backend, with our state holder and op executor.
     settings = RendezvousSettings(
         params.run_id,
         params.min_nodes,
         params.max_nodes,
-        timeout,
-        keep_alive_interval=timedelta(seconds=params.get_as_int("keep_alive_interval", 5) or 5),
-        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
+        options.timeouts(),
+        keep_alive_interval=timedelta(seconds=options.keep_alive_interval),
+        keep_alive_max_attempt=options.keep_alive_max_attempt,
     )
     node = EtcdRendezvousHandler._node_desc_generator.generate(params.local_addr)
     holder = ProbingStateHolder(backend, settings)
     handler = EtcdRendezvousHandler(node, settings, backend.name, store, holder)
     handler._op_executor = WaitListExecutor(node, holder, settings)
-    handler.start_liveness()
+    handler.attach(ledger)
     return handler
 
 
-__all__ = ["EtcdRendezvousHandler", "build_handler"]
+__all__ = ["ChangeKind", "EtcdRendezvousHandler", "MembershipChange", "build_handler"]

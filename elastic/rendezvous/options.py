@@ -60,7 +60,7 @@ _IGNORED = frozenset({"timeout", "rank"})  # set by torch's launcher for every b
 class RendezvousOptions:
     """Every option of the ``etcd-v3`` rendezvous, with its one default."""
 
-    protocol: str = "http"
+    protocol: str | None = None  # None: https if the endpoint says https://, else http
     cacert: str | None = None
     cert: str | None = None
     key: str | None = None
@@ -86,7 +86,7 @@ class RendezvousOptions:
     def __post_init__(self) -> None:
         from elastic.errors import ConfigError
 
-        if self.protocol not in ("http", "https"):
+        if self.protocol not in (None, "http", "https"):
             raise ConfigError(f"The etcd protocol '{self.protocol}' is invalid; use http or https.")
         for name in (
             "ttl",
@@ -94,8 +94,7 @@ class RendezvousOptions:
             "request_timeout",
             "store_timeout",
             "join_timeout",
-            "keep_alive_interval",
-        ):
+        ):  # keep_alive_*: the split-brain rule below
             if getattr(self, name) <= 0:
                 raise ConfigError(
                     f"The rendezvous option {name}={getattr(self, name)} must be "
@@ -114,7 +113,7 @@ class RendezvousOptions:
             )
 
     @classmethod
-    def parse(cls, conf: dict[str, Any], endpoint: str = "") -> RendezvousOptions:
+    def parse(cls, conf: dict[str, Any]) -> RendezvousOptions:
         """Parse ``--rdzv-conf`` (a dict of strings); raise ``ConfigError`` naming a bad one."""
         from elastic.errors import ConfigError
 
@@ -133,23 +132,21 @@ class RendezvousOptions:
                 f"Unknown rendezvous option(s) {', '.join(unknown)}; see "
                 "'elastic-agent --help' and the README for the options."
             )
-        if "protocol" not in merged and endpoint.startswith("https://"):
-            merged["protocol"] = "https"
         values = {name: _convert(name, known[name].type, raw) for name, raw in merged.items()}
         return cls(**values)
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> RendezvousOptions:
-        return cls.parse(dict(params.config), params.endpoint or "")
+        return cls.parse(dict(params.config))
 
     def etcd_options(self, endpoint: str) -> EtcdOptions:
         """Client options for ``--rdzv-endpoint`` with these TLS/auth settings."""
         from elastic.etcd.client import EtcdOptions, parse_endpoints
 
-        endpoints, _ = parse_endpoints(endpoint or "localhost")
+        endpoints, https = parse_endpoints(endpoint or "localhost")
         return EtcdOptions(
             endpoints=endpoints,
-            tls=self.protocol == "https",
+            tls=self.protocol == "https" if self.protocol else https,
             ca_cert=self.cacert,
             cert=self.cert,
             key=self.key,

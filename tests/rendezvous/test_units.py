@@ -9,7 +9,7 @@ from elastic.errors import ConfigError, EtcdStateError
 from elastic.etcd.client import Endpoint, EtcdOptions, _prefix_end, parse_endpoints
 from elastic.rendezvous.backend import decode_state, encode_state
 from elastic.rendezvous.keys import RunKeys
-from elastic.rendezvous.registry import check_keep_alive, etcd_options
+from elastic.rendezvous.options import FAST_FAILOVER, FAST_FAILOVER_CONF, RendezvousOptions
 
 
 def params(endpoint: str = "127.0.0.1:2379", **conf: object) -> RendezvousParameters:
@@ -66,12 +66,60 @@ def test_options_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
         EtcdOptions(eps, request_timeout=0)
 
 
+def etcd_options(p: RendezvousParameters) -> EtcdOptions:
+    return RendezvousOptions.from_params(p).etcd_options(p.endpoint)
+
+
+def check_keep_alive(p: RendezvousParameters) -> None:
+    RendezvousOptions.from_params(p)
+
+
 def test_etcd_options_from_params() -> None:
     opts = etcd_options(params("https://a:1,b:2", user="u", password="p", request_timeout="7"))
     assert [str(e) for e in opts.endpoints] == ["a:1", "b:2"]
     assert opts.secure and opts.user == "u" and opts.request_timeout == 7.0
     with pytest.raises(ConfigError, match="protocol 'gopher'"):
         etcd_options(params(protocol="gopher"))
+    assert not etcd_options(params("https://a:1", protocol="http")).secure
+
+
+def test_options_have_one_set_of_defaults_and_a_fast_failover_profile() -> None:
+    default = RendezvousOptions.from_params(params())
+    assert default == RendezvousOptions()
+    assert (default.keep_alive_interval, default.keep_alive_max_attempt) == (5, 3)
+    fast = RendezvousOptions.from_params(params(profile=FAST_FAILOVER, join_timeout="90"))
+    assert (fast.last_call_timeout, fast.keep_alive_interval, fast.keep_alive_max_attempt) == (
+        1,
+        1,
+        3,
+    )
+    assert fast.join_timeout == 90
+    tuned = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+    assert tuned == FAST_FAILOVER_CONF
+    explicit = RendezvousOptions.from_params(params(profile=FAST_FAILOVER, keep_alive_interval="2"))
+    assert explicit.keep_alive_interval == 2, "an explicit option wins over the profile"
+    # torch's launcher sets these for every backend: accepted, ignored
+    RendezvousOptions.from_params(params(timeout="900", rank="-1"))
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"ttl": "-5"}, "ttl=-5 must be a positive number"),
+        ({"keep_alive_interval": "abc"}, "keep_alive_interval='abc' is not a number"),
+        ({"keep_alive_max_attempt": "2.5"}, "is not a whole number"),
+        ({"profile": "turbo"}, "profile 'turbo' is unknown"),
+        ({"keepalive_interval": "1"}, "Unknown rendezvous option"),
+    ],
+)
+def test_bad_options_are_one_sentence(conf: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RendezvousOptions.from_params(params(**conf))
+
+
+def test_options_repr_hides_the_password() -> None:
+    opts = RendezvousOptions.from_params(params(user="u", password="s3cret"))
+    assert "s3cret" not in repr(opts) and "***" in repr(opts)
 
 
 @pytest.mark.parametrize(("interval", "attempts"), [(1, 2), (1, 1), (0, 5), (2, 1)])
