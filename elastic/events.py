@@ -1,10 +1,11 @@
 """Structured events as JSON lines: what tests and users must be able to see.
 
 An event is one JSON object per line with at least ``ts`` (unix seconds),
-``kind`` and ``pid``. Kinds in use: ``rdzv.round``, ``node.join``,
-``node.leave``, ``worker.restart``, ``ckpt.save``, ``ckpt.load``, ``train.step``.
+``kind`` and ``pid``. The kinds, each with its meaning, are :data:`KINDS` (a test
+checks that every kind emitted in ``elastic/`` and ``agents/`` is listed there).
 The log file comes from ``$ELASTIC_EVENT_LOG``; appends of one short line are
-atomic on POSIX, so many processes may share one file.
+atomic on POSIX, so many processes may share one file. A write that fails (a full
+disk, a missing directory) is logged once per process and never stops the caller.
 """
 
 from __future__ import annotations
@@ -13,36 +14,81 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from elastic import env
 
 logger = logging.getLogger(__name__)
 
+KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        # agents (elastic.rendezvous.handler, agents.agent)
+        "rdzv.round": "an agent completed a rendezvous round: round, node, rank, world_size",
+        "rdzv.dropped": "an agent is no longer a participant of its round (outage, missed "
+        "heartbeats) and rejoins",
+        "node.leave": "an agent left the rendezvous on purpose (SIGTERM): node, seconds",
+        "node.lost": "peers of an agent's round are gone; it re-forms the group: nodes",
+        "node.dead": "agents whose probe ports refuse connections were removed from the "
+        "rendezvous without waiting for their heartbeats to expire: nodes",
+        "worker.restart": "an agent restarts its workers: reason 'reform' (a membership "
+        "change) or 'failure' (spends the job's restart budget, kept in etcd)",
+        # workers (elastic.training.worker, elastic.checkpoint.manager)
+        "ckpt.save": "a rank's checkpoint save ended: step, ok, url, blocking_s, durable_s "
+        "(error and last_good when it failed)",
+        "ckpt.load": "a rank loaded a checkpoint: step, url, seconds, world_size",
+        "train.step": "rank 0 completed a step: step, loss, lr, samples_per_s, world_size, epoch",
+        "train.samples": "the sample indices a rank trained on in a step (job.sample_ledger)",
+    }
+)
+_warned_pid: int | None = None  # the process that already warned of a failed write
+
 
 def emit(kind: str, path: str | os.PathLike[str] | None = None, **fields: Any) -> dict[str, Any]:
     """Record one event to the event log (if configured) and the debug log.
 
     Args:
-        kind: dotted event kind, e.g. ``"ckpt.save"``.
+        kind: one of :data:`KINDS`, e.g. ``"ckpt.save"``.
         path: the log file; defaults to ``$ELASTIC_EVENT_LOG``.
         fields: JSON-serialisable details.
 
     Returns:
-        The event as written.
+        The event (also when writing it failed).
     """
     event = {"ts": round(time.time(), 6), "kind": kind, "pid": os.getpid(), **fields}
     target = path or os.environ.get(env.EVENT_LOG)
     logger.debug("event %s", event)
     if target:
         line = json.dumps(event, default=str, separators=(",", ":")) + "\n"
-        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+            _append(target, line.encode())
+        except OSError as exc:
+            _warn_once(target, exc)
     return event
+
+
+def _append(target: str | os.PathLike[str], data: bytes) -> None:
+    fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _warn_once(target: str | os.PathLike[str], exc: OSError) -> None:
+    """A failed write must not stop training: say so once per process, then go on."""
+    global _warned_pid
+    if _warned_pid == os.getpid():
+        return
+    _warned_pid = os.getpid()
+    logger.warning(
+        "Cannot write the event log %s (%s); this process goes on without recording "
+        "its events there.",
+        target,
+        exc.strerror or exc,
+    )
 
 
 def read(path: str | os.PathLike[str], kind: str | None = None) -> list[dict[str, Any]]:
@@ -61,4 +107,4 @@ def read(path: str | os.PathLike[str], kind: str | None = None) -> list[dict[str
     return events
 
 
-__all__ = ["emit", "read"]
+__all__ = ["KINDS", "emit", "read"]

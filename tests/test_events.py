@@ -1,0 +1,76 @@
+"""Event kinds: one list in code (elastic.events.KINDS); a failed write never stops a process."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic import env, events
+from tests.helpers import REPO
+
+EMIT_CALL = re.compile(r"\bemit\(")
+EMIT_KIND = re.compile(r"\bemit\(\s*\"([^\"]+)\"")
+
+
+def emitted_kinds() -> dict[str, list[str]]:
+    """Every ``emit("kind", ...)`` in elastic/ and agents/: kind -> where."""
+    found: dict[str, list[str]] = {}
+    for path in sorted([*(REPO / "elastic").rglob("*.py"), *(REPO / "agents").rglob("*.py")]):
+        if path == REPO / "elastic" / "events.py":
+            continue
+        source = path.read_text()
+        calls = len(EMIT_CALL.findall(source))
+        kinds = EMIT_KIND.findall(source)
+        where = str(path.relative_to(REPO))
+        assert calls == len(kinds), f"{where}: every emit() must name its kind as a literal"
+        for kind in kinds:
+            found.setdefault(kind, []).append(where)
+    return found
+
+
+def test_every_emitted_kind_is_listed_and_every_listed_kind_is_emitted() -> None:
+    found = emitted_kinds()
+    assert found, "no emit() found: the pattern no longer matches the source"
+    unlisted = {k: v for k, v in found.items() if k not in events.KINDS}
+    assert not unlisted, f"add these kinds to elastic.events.KINDS: {unlisted}"
+    assert sorted(events.KINDS) == sorted(found), "KINDS lists kinds nobody emits"
+    assert all(meaning.strip() for meaning in events.KINDS.values())
+    assert "KINDS" in (events.__doc__ or ""), "the module docstring must point at KINDS"
+
+
+@pytest.mark.parametrize("target", ["missing", "/dev/full"])
+def test_a_failed_write_warns_once_and_goes_on(
+    target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "no-such-dir" / "events.jsonl") if target == "missing" else target
+    if target == "/dev/full" and not Path(target).exists():
+        pytest.fail("/dev/full is missing on this machine")
+    monkeypatch.setenv(env.EVENT_LOG, path)
+    monkeypatch.setattr(events, "_warned_pid", None)
+    with caplog.at_level(logging.WARNING, logger="elastic.events"):
+        first = events.emit("train.step", step=1)
+        events.emit("train.step", step=2)
+    assert first["step"] == 1 and first["kind"] == "train.step"
+    warnings = [r for r in caplog.records if r.name == "elastic.events"]
+    assert len(warnings) == 1, warnings
+    assert path in warnings[0].getMessage()
+
+
+def test_a_process_on_a_full_disk_keeps_going() -> None:
+    """As a worker would: many events to /dev/full, one warning, exit 0."""
+    script = "from elastic import events\nfor s in range(5): events.emit('train.step', step=s)\n"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), env.EVENT_LOG: "/dev/full"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("Cannot write the event log /dev/full") == 1, result.stderr
