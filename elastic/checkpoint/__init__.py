@@ -4,7 +4,8 @@ Public surface:
 
 * :class:`CheckpointManager`: async save (one in flight), commit, purge, resume;
 * :func:`find_latest_complete`: the newest complete step of a run (``elastic status``);
-* :func:`inspect_step`, :func:`list_steps`, :func:`step_url`: layout helpers.
+* :func:`inspect_step`, :func:`list_steps`, :func:`step_url`: layout helpers;
+* :func:`validate_run_id`: refuses run ids that do not name one directory.
 """
 
 from elastic.checkpoint.layout import (
@@ -14,6 +15,7 @@ from elastic.checkpoint.layout import (
     inspect_step,
     list_steps,
     step_url,
+    validate_run_id,
 )
 from elastic.checkpoint.manager import CheckpointManager, CommitFence, SaveOutcome
 from elastic.checkpoint.stager import Stager
@@ -29,4 +31,5 @@ __all__ = [
     "inspect_step",
     "list_steps",
     "step_url",
+    "validate_run_id",
 ]

@@ -2,57 +2,114 @@
 
 Layout::
 
-    <url>/<run_id>/step-<N>/            one DCP checkpoint (any world size)
-    <url>/<run_id>/step-<N>/.metadata   DCP's plan, written after every rank's shards
-    <url>/<run_id>/step-<N>/__<r>_0.distcp
-    <url>/<run_id>/step-<N>/COMMIT.json the commit marker, written last
+    <url>/<run_id>/step-<N>/                         one step (any world size)
+    <url>/<run_id>/step-<N>/save-<nonce>/            one save attempt: a DCP checkpoint
+    <url>/<run_id>/step-<N>/save-<nonce>/.metadata   DCP's plan, after every rank's shards
+    <url>/<run_id>/step-<N>/save-<nonce>/__<r>_0.distcp
+    <url>/<run_id>/step-<N>/COMMIT.json              the commit marker, written last
 
-A step is *complete* only when ``COMMIT.json`` exists, parses, and every file it
-lists exists with the recorded size (and, with ``verify="full"``, the recorded
-CRC-32). Anything else (no marker, a truncated or corrupt shard) is partial
-and is never loaded.
+Every save writes into a fresh ``save-<nonce>`` directory, so a save never
+deletes or overwrites anything to make room: a stale or failing writer cannot
+damage a committed step. The commit marker names the attempt, the run, the
+writers' rendezvous job and round, and every file with its size and CRC-32
+(``.metadata`` also with its SHA-256); with a job secret (:mod:`elastic.secret`)
+it carries an HMAC-SHA256 over all of that. It replaces any older marker of the
+step atomically (temporary file + rename).
+
+A step is *complete* only when ``COMMIT.json`` exists, is well formed, names
+this run, is signed with this job's secret (when there is one), and every file
+it lists exists with the recorded size (and, with ``verify="full"``, the
+recorded CRC-32). Anything else is never loaded. Markers written before this
+layout (no ``attempt``: the files lie in the step directory) are still read
+when no secret is configured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import re
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import fsspec
 
-from elastic.checkpoint.storage import crc32_of, filesystem, join, write_durably
+from elastic import secret as signing
+from elastic.checkpoint.storage import (
+    METADATA,
+    crc32_of,
+    filesystem,
+    join,
+    write_atomically,
+)
+from elastic.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMIT.json"
+MARKER_VERSION = 2
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_ATTEMPT = re.compile(r"^save-[0-9a-f]{8,64}$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 Verify = Literal["full", "size"]
 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One step directory and what its commit marker says."""
+    """One step directory and what its commit marker says.
+
+    ``foreign`` marks a well-formed marker that is not this run's (another run id,
+    or not signed with this job's secret): never loaded, never purged.
+    """
 
     step: int
     url: str
     complete: bool
     reason: str = ""
     marker: dict[str, Any] | None = None
+    digest: str = ""
+    foreign: bool = False
+
+    @property
+    def data_url(self) -> str:
+        """The directory that holds the DCP files of the committed attempt."""
+        attempt = (self.marker or {}).get("attempt")
+        return join(self.url, attempt) if attempt else self.url
+
+    @property
+    def metadata_record(self) -> dict[str, Any] | None:
+        """What the marker says about ``.metadata`` (size, CRC-32, SHA-256)."""
+        files = (self.marker or {}).get("files") or {}
+        return files.get(METADATA)
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it names one directory; raise ``ConfigError`` otherwise."""
+    if not isinstance(run_id, str) or not run_id or run_id in (".", "..") or "/" in run_id:
+        raise ConfigError(
+            f"The run id {run_id!r} is invalid: it names a checkpoint directory, so it must "
+            "be a non-empty name other than '.' or '..' without '/'."
+        )
+    if "\0" in run_id or "\\" in run_id:
+        raise ConfigError(
+            f"The run id {run_id!r} is invalid: it must not contain NUL or '\\'; use letters, "
+            "digits, '.', '_' and '-'."
+        )
+    return run_id
 
 
 def run_url(url: str, run_id: str) -> str:
     """Return ``<url>/<run_id>``."""
-    return join(url, run_id)
+    return join(url, validate_run_id(run_id))
 
 
 def step_url(url: str, run_id: str, step: int) -> str:
     """Return ``<url>/<run_id>/step-<step>``."""
-    return join(url, run_id, f"step-{step}")
+    return join(url, validate_run_id(run_id), f"step-{int(step)}")
 
 
 def list_steps(url: str, run_id: str) -> list[int]:
@@ -71,32 +128,133 @@ def list_steps(url: str, run_id: str) -> list[int]:
     return sorted(set(steps), reverse=True)
 
 
-def write_commit(url: str, step: int, world_size: int, files: dict[str, dict[str, Any]]) -> None:
-    """Write the commit marker for a step whose files are all durable."""
-    fs, root = filesystem(url)
-    marker = {"step": step, "world_size": world_size, "time": time.time(), "files": files}
-    write_durably(fs, f"{root}/{COMMIT_MARKER}", json.dumps(marker, sort_keys=True).encode())
+def make_marker(
+    step: int,
+    world_size: int,
+    files: dict[str, dict[str, Any]],
+    *,
+    run: str,
+    attempt: str,
+    job: str | None = None,
+    round_: int | None = None,
+    secret: bytes | None = None,
+) -> bytes:
+    """Return the bytes of a commit marker (signed when ``secret`` is given)."""
+    marker: dict[str, Any] = {
+        "version": MARKER_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "time": time.time(),
+        "run": run,
+        "job": job,
+        "round": round_,
+        "attempt": attempt,
+        "files": files,
+    }
+    if secret is not None:
+        marker["hmac"] = signing.sign(secret, _signed_content(marker))
+    return json.dumps(marker, sort_keys=True).encode()
 
 
-def inspect_step(url: str, run_id: str, step: int, verify: Verify = "full") -> StepInfo:
-    """Decide whether one step is complete; say why not if it is not."""
+def marker_digest(data: bytes) -> str:
+    """The SHA-256 of a marker's bytes: what the commit record in etcd vouches for."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_marker(step_dir: str, data: bytes) -> None:
+    """Atomically replace the commit marker of a step whose files are all durable."""
+    fs, root = filesystem(step_dir)
+    write_atomically(fs, f"{root}/{COMMIT_MARKER}", data)
+
+
+def new_attempt() -> str:
+    """A fresh save-attempt directory name."""
+    import secrets
+
+    return f"save-{secrets.token_hex(8)}"
+
+
+def inspect_step(
+    url: str,
+    run_id: str,
+    step: int,
+    verify: Verify = "full",
+    secret: bytes | None = None,
+) -> StepInfo:
+    """Decide whether one step is complete; say why not if it is not.
+
+    Never raises for anything found in storage: a missing, unreadable or
+    malformed marker or file makes the step incomplete, with the reason.
+    """
     target = step_url(url, run_id, step)
     fs, root = filesystem(target)
     try:
         with fs.open(f"{root}/{COMMIT_MARKER}", "rb") as f:
-            marker = json.loads(f.read())
-        files: dict[str, dict[str, Any]] = marker["files"]
+            data = f.read()
     except FileNotFoundError:
         return StepInfo(step, target, False, "no commit marker")
-    except (ValueError, KeyError, TypeError) as exc:
+    except OSError as exc:
         return StepInfo(step, target, False, f"unreadable commit marker ({exc})")
-    if ".metadata" not in files:
-        return StepInfo(step, target, False, "commit marker lists no .metadata")
-    for name, expected in files.items():
-        problem = _check_file(fs, f"{root}/{name}", expected, verify)
+    try:
+        marker = json.loads(data)
+    except ValueError as exc:
+        return StepInfo(step, target, False, f"unreadable commit marker ({exc})")
+    digest = marker_digest(data)
+    problem = _malformed(marker, step)
+    if problem:
+        return StepInfo(step, target, False, f"malformed commit marker ({problem})", None, digest)
+    if marker.get("run", run_id) != run_id:
+        why = f"commit marker belongs to run {marker['run']!r}, not {run_id!r}"
+        return StepInfo(step, target, False, why, marker, digest, foreign=True)
+    if secret is not None:
+        if "hmac" not in marker:
+            why = "commit marker is not signed (forged, or written without the job secret)"
+            return StepInfo(step, target, False, why, marker, digest, foreign=True)
+        if not signing.verify(secret, _signed_content(marker), marker["hmac"]):
+            why = "commit marker signature does not match this job's secret (forged or foreign)"
+            return StepInfo(step, target, False, why, marker, digest, foreign=True)
+    info = StepInfo(step, target, True, "", marker, digest)
+    dfs, droot = filesystem(info.data_url)
+    for name, expected in marker["files"].items():
+        problem = _check_file(dfs, f"{droot}/{name}", expected, verify)
         if problem:
-            return StepInfo(step, target, False, f"{name}: {problem}", marker)
-    return StepInfo(step, target, True, "", marker)
+            return StepInfo(step, target, False, f"{name}: {problem}", marker, digest)
+    return info
+
+
+def _signed_content(marker: Mapping[str, Any]) -> bytes:
+    body = {k: v for k, v in marker.items() if k != "hmac"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _malformed(marker: Any, step: int) -> str:
+    """What is wrong with a parsed marker's shape, or ``""``."""
+    if not isinstance(marker, dict):
+        return f"a {type(marker).__name__}, not an object"
+    files = marker.get("files")
+    if not isinstance(files, dict) or not files:
+        return "no file list"
+    if METADATA not in files:
+        return f"lists no {METADATA}"
+    for name, entry in files.items():
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or name in (".", ".."):
+            return f"bad file name {name!r}"
+        if not isinstance(entry, dict):
+            return f"{name}: entry is not an object"
+        size, crc = entry.get("size"), entry.get("crc32")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"{name}: no valid size"
+        if not isinstance(crc, str):
+            return f"{name}: no CRC-32"
+    if marker.get("step", step) != step:
+        return f"names step {marker.get('step')!r}"
+    attempt = marker.get("attempt")
+    if attempt is not None and (not isinstance(attempt, str) or not _ATTEMPT.match(attempt)):
+        return f"bad attempt {attempt!r}"
+    run = marker.get("run")
+    if run is not None and not isinstance(run, str):
+        return "bad run id"
+    return ""
 
 
 def _check_file(
@@ -104,48 +262,128 @@ def _check_file(
 ) -> str:
     try:
         size = fs.info(path)["size"]
+        if size != expected["size"]:
+            return f"size {size} bytes, expected {expected['size']} (truncated or overwritten)"
+        if verify == "full" and crc32_of(fs, path) != expected["crc32"]:
+            return "checksum mismatch (corrupt)"
     except FileNotFoundError:
         return "missing"
-    if size != expected["size"]:
-        return f"size {size} bytes, expected {expected['size']} (truncated or overwritten)"
-    if verify == "full" and crc32_of(fs, path) != expected.get("crc32"):
-        return "checksum mismatch (corrupt)"
+    except (OSError, KeyError, TypeError) as exc:
+        return f"unreadable ({type(exc).__name__}: {exc})"
     return ""
 
 
+def complete_steps(
+    url: str,
+    run_id: str,
+    verify: Verify = "full",
+    warn: bool = True,
+    secret: bytes | None = None,
+    records: Mapping[int, Mapping[str, Any]] | None = None,
+    skip: Callable[[StepInfo], bool] | None = None,
+) -> Iterator[StepInfo]:
+    """Yield the complete steps of a run, best first, each inspected only when needed.
+
+    With commit ``records`` (step -> record from etcd): steps that have a record
+    come first, newest first, then the others; a step whose marker does not match
+    its record (a stale or foreign writer's) is skipped. Skipped steps are logged
+    once each (``warn``).
+    """
+    steps = list_steps(url, run_id)
+    if records:
+        steps = [s for s in steps if s in records] + [s for s in steps if s not in records]
+    for step in steps:
+        info = inspect_step(url, run_id, step, verify, secret)
+        if info.complete and records and step in records:
+            expected = records[step].get("digest")
+            if expected != info.digest:
+                why = (
+                    "its commit marker does not match the commit record in etcd (round "
+                    f"{records[step].get('round')}); a stale or foreign writer replaced it"
+                )
+                info = StepInfo(step, info.url, False, why, info.marker, info.digest)
+        if not info.complete:
+            if warn:
+                logger.warning("Skipping checkpoint %s: %s.", info.url, info.reason)
+            continue
+        if skip is not None and skip(info):
+            continue
+        yield info
+
+
 def find_latest_complete(
-    url: str, run_id: str, verify: Verify = "full", warn: bool = True
+    url: str,
+    run_id: str,
+    verify: Verify = "full",
+    warn: bool = True,
+    secret: bytes | None = None,
+    records: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> StepInfo | None:
-    """Return the newest complete step of run ``run_id`` under ``url``, or ``None``.
+    """Return the best complete step of run ``run_id`` under ``url``, or ``None``.
 
     Newer partial or corrupt steps are skipped, each with a warning naming it.
     This is what ``elastic status`` and the worker's resume use.
     """
-    for step in list_steps(url, run_id):
-        info = inspect_step(url, run_id, step, verify)
-        if info.complete:
-            return info
-        if warn:
-            logger.warning("Skipping checkpoint %s: %s.", info.url, info.reason)
-    return None
+    return next(complete_steps(url, run_id, verify, warn, secret, records), None)
 
 
-def purge(url: str, run_id: str, keep_last: int, protect: int | None = None) -> list[int]:
-    """Delete all but the newest ``keep_last`` complete steps and older partial ones.
+def purge(
+    url: str,
+    run_id: str,
+    keep_last: int,
+    protect: int | None = None,
+    check: Callable[[], None] | None = None,
+    secret: bytes | None = None,
+) -> list[int]:
+    """Delete all but the newest ``keep_last`` complete steps up to ``protect``.
 
-    Never deletes ``protect`` (the newest complete step) nor any step newer than
-    it (an in-flight save may be writing there). Returns the deleted steps.
+    ``protect`` is the step this writer just committed (default: the newest
+    complete step). Steps newer than it are never touched (another writer may
+    own them), nor foreign steps (another run's marker, or not signed with this
+    job's secret). Partial steps older than ``protect`` are deleted, and so are
+    other attempts inside the kept steps. ``check`` (the commit fence) runs
+    right before each deletion and raises to stop. Returns the deleted steps.
     """
     steps = list_steps(url, run_id)
-    complete = [s for s in steps if inspect_step(url, run_id, s, "size").complete]
-    keep = set(complete[:keep_last])
-    if protect is not None:
-        keep.add(protect)
-    newest_kept = max(keep, default=None)
-    doomed = [s for s in steps if s not in keep and (newest_kept is None or s < newest_kept)]
+    infos = {s: inspect_step(url, run_id, s, "size", secret) for s in steps}
+    complete = [s for s in steps if infos[s].complete]
+    upto = protect if protect is not None else (complete[0] if complete else None)
+    if upto is None:
+        return []
+    ours = [s for s in complete if s <= upto]
+    keep = set(ours[:keep_last]) | {upto}
+    doomed = [s for s in steps if s < upto and s not in keep and not infos[s].foreign]
+    for step in sorted(keep):
+        if step in infos and infos[step].complete:
+            _remove_other_attempts(infos[step], check)
+    deleted = []
     for step in doomed:
+        if check is not None:
+            check()
         remove_step(step_url(url, run_id, step))
-    return doomed
+        deleted.append(step)
+    return deleted
+
+
+def _remove_other_attempts(info: StepInfo, check: Callable[[], None] | None) -> None:
+    """Delete what failed or superseded attempts left next to a kept step's marker."""
+    attempt = (info.marker or {}).get("attempt")
+    if not attempt:
+        return  # an old-layout step: its files lie in the step directory itself
+    fs, root = filesystem(info.url)
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name in (COMMIT_MARKER, attempt) or name.startswith(f".{COMMIT_MARKER}."):
+            continue
+        if check is not None:
+            check()
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(f"{root}/{name}", recursive=True)
 
 
 def remove_step(url: str) -> None:
@@ -160,12 +398,17 @@ def remove_step(url: str) -> None:
 __all__ = [
     "COMMIT_MARKER",
     "StepInfo",
+    "complete_steps",
     "find_latest_complete",
     "inspect_step",
     "list_steps",
+    "make_marker",
+    "marker_digest",
+    "new_attempt",
     "purge",
     "remove_step",
     "run_url",
     "step_url",
-    "write_commit",
+    "validate_run_id",
+    "write_marker",
 ]

@@ -4,14 +4,21 @@ A save has three phases:
 
 1. **stage** (blocking, on the training thread): copy the state into reused CPU
    buffers (:class:`~elastic.checkpoint.stager.Stager`);
-2. **write** (background thread): ``dcp.save`` of the staged copy through
+2. **write** (background thread): rank 0 checks the fence (if any) and picks a
+   fresh attempt directory; ``dcp.save`` of the staged copy goes there through
    :class:`~elastic.checkpoint.storage.HashingWriter`, using the checkpoint
    process group (a dedicated gloo group: sharing DDP's default group between
-   two threads deadlocks);
+   two threads deadlocks). Nothing is deleted to make room;
 3. **commit** (background thread): the ranks all-gather their file checksums;
-   rank 0 calls the optional ``commit_fence`` (it raises to refuse, e.g. when
-   the writers' rendezvous round is no longer current), writes ``COMMIT.json``,
-   purges old steps, and broadcasts the outcome so every rank agrees.
+   rank 0 builds the (signed) marker, records it through the optional fence
+   (one etcd transaction that refuses when the writers' rendezvous round is no
+   longer current, and stores the marker's digest: the source of truth), writes
+   ``COMMIT.json`` atomically, purges old steps (fenced, never newer than its
+   own step), and broadcasts the outcome so every rank agrees.
+
+Loading tries the best complete step (one whose marker matches its etcd commit
+record first) and falls back to the next older one when a step cannot be read
+(a purge racing the reader, a corrupt file): every rank tries the same step.
 
 A failed save never stops training by itself: the previous complete step stays
 the newest, the error is logged, and the next interval tries again. After
@@ -25,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,21 +42,37 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import events
+from elastic import secret as signing
 from elastic.checkpoint.layout import (
-    find_latest_complete,
+    StepInfo,
+    complete_steps,
+    make_marker,
+    marker_digest,
+    new_attempt,
     purge,
-    remove_step,
+    run_url,
     step_url,
-    write_commit,
+    validate_run_id,
+    write_marker,
 )
 from elastic.checkpoint.stager import Stager
-from elastic.checkpoint.storage import HashingWriter, make_reader
+from elastic.checkpoint.storage import (
+    HashingWriter,
+    SafeLoadPlanner,
+    join,
+    make_reader,
+    probe_writable,
+)
 from elastic.errors import CheckpointError
 from elastic.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
-CommitFence = Callable[[int], None]  # called with the step; raises to refuse
+# The commit fence: called with the step, raises to refuse. A richer fence (see
+# elastic.rendezvous.fence.RoundFence) may also offer ``commit(step, record)``,
+# ``check()``, ``records()``, ``forget(steps)`` and the ``round``/``job`` attributes.
+CommitFence = Callable[[int], None]
+_AUTO: Any = object()
 _WRITER_NICENESS = 10
 
 
@@ -66,7 +89,11 @@ class SaveOutcome:
 
 
 class CheckpointManager:
-    """Saves and loads one run's checkpoints under ``<url>/<run_id>/``."""
+    """Saves and loads one run's checkpoints under ``<url>/<run_id>/``.
+
+    ``secret`` signs and verifies commit markers; by default it is the job's
+    secret (:func:`elastic.secret.job_secret`), ``None`` for CRC checks only.
+    """
 
     def __init__(
         self,
@@ -74,11 +101,13 @@ class CheckpointManager:
         run_id: str,
         group: dist.ProcessGroup | None = None,
         commit_fence: CommitFence | None = None,
+        secret: bytes | None = _AUTO,
     ) -> None:
         self.cfg = cfg
-        self.run_id = run_id
+        self.run_id = validate_run_id(run_id)
         self.group = group
         self.commit_fence = commit_fence
+        self.secret: bytes | None = signing.job_secret() if secret is _AUTO else secret
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
@@ -86,6 +115,25 @@ class CheckpointManager:
         self.last_good: int | None = None
         self.stager = Stager()
         self._pending: Future[SaveOutcome] | None = None
+
+    def check_storage(self) -> None:
+        """Write and delete a probe file under the run's directory, on every rank.
+
+        Raises:
+            CheckpointError: on every rank, when any rank cannot write there.
+        """
+        url = run_url(self.cfg.url, self.run_id)
+        try:
+            probe_writable(url)
+            local = ""
+        except Exception as exc:  # any storage error: report it in one sentence
+            local = f"rank {self.rank}: {type(exc).__name__}: {exc}".splitlines()[0]
+        problems = [p for p in self._gather(local) if p]
+        if problems:
+            raise CheckpointError(
+                f"Cannot write checkpoints under {url} ({problems[0]}); make the storage "
+                "writable (path, permissions, credentials) or disable checkpoints."
+            )
 
     def save(self, step: int, state: dict[str, Any], block: bool = False) -> SaveOutcome | None:
         """Snapshot ``state`` for ``step`` and write it (in the background unless ``block``).
@@ -129,48 +177,78 @@ class CheckpointManager:
     def load_latest(
         self, make_state: Callable[[], dict[str, Any]]
     ) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest complete step, whatever world size wrote it (resharding).
+        """Load the best complete step, whatever world size wrote it (resharding).
 
-        Rank 0 picks the step (skipping partial or corrupt newer ones with a
-        warning) and tells the others. ``make_state`` builds the template that
-        DCP loads into (called only when there is a step to load).
+        Rank 0 picks the step (skipping partial, corrupt, unsigned or stale newer
+        ones with a warning) and tells the others; when the step cannot be read
+        (e.g. a purge deleted it meanwhile) every rank falls back to the next
+        older one. ``make_state`` builds the template that DCP loads into (called
+        once per step tried).
 
         Returns:
             ``(step, state)``, or ``None`` for a fresh run.
 
         Raises:
-            CheckpointError: the chosen step cannot be read.
+            CheckpointError: the checkpoints cannot be listed, or no complete step
+                can be read.
         """
-        chosen: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                info = find_latest_complete(self.cfg.url, self.run_id, self.cfg.verify)
-                chosen = [None if info is None else info.step]
-            except Exception as exc:  # tell the other ranks before failing
-                chosen = [f"{type(exc).__name__}: {exc}".splitlines()[0]]
-        if self.distributed:
-            dist.broadcast_object_list(chosen, src=_global_rank(self.group, 0), group=self.group)
-        step = chosen[0]
-        if isinstance(step, str):
+        candidates = _Candidates(self) if self.rank == 0 else None
+        tried: list[str] = []
+        while True:
+            chosen: list[Any] = [candidates.next() if candidates is not None else None]
+            if self.distributed:
+                dist.broadcast_object_list(
+                    chosen, src=_global_rank(self.group, 0), group=self.group
+                )
+            choice = chosen[0]
+            if isinstance(choice, str):
+                raise CheckpointError(
+                    f"Cannot list checkpoints under {self.cfg.url}: {choice}. Check "
+                    "the URL, credentials and that the storage is reachable."
+                )
+            if choice is None:
+                break
+            loaded = self._load_one(choice, make_state)
+            if isinstance(loaded, tuple):
+                return loaded
+            tried.append(f"step {choice['step']}: {loaded}")
+        if tried:
             raise CheckpointError(
-                f"Cannot list checkpoints under {self.cfg.url}: {step}. Check "
-                "the URL, credentials and that the storage is reachable."
+                f"No complete checkpoint under {self.cfg.url}/{self.run_id} could be read "
+                f"({'; '.join(tried)}). Fix the storage, or move those step directories "
+                "away to start fresh."
             )
-        if step is None:
-            logger.info(
-                "No complete checkpoint under %s/%s; starting fresh.", self.cfg.url, self.run_id
-            )
-            return None
+        logger.info(
+            "No complete checkpoint under %s/%s; starting fresh.", self.cfg.url, self.run_id
+        )
+        return None
+
+    def _load_one(
+        self, choice: dict[str, Any], make_state: Callable[[], dict[str, Any]]
+    ) -> tuple[int, dict[str, Any]] | str:
+        """Load one chosen step on every rank; return it, or why it could not be read."""
+        step, url = choice["step"], choice["url"]
         started = time.perf_counter()
-        url = step_url(self.cfg.url, self.run_id, step)
-        state = make_state()
+        error = ""
+        state: dict[str, Any] = {}
         try:
-            dcp.load(state, storage_reader=make_reader(url), process_group=self.group)
+            state = make_state()
+            dcp.load(
+                state,
+                storage_reader=make_reader(url, choice["metadata"]),
+                planner=SafeLoadPlanner(),
+                process_group=self.group,
+            )
         except (Exception, CheckpointException) as exc:  # DCP wraps storage errors
-            raise CheckpointError(
-                f"Cannot load checkpoint {url}: {_root_cause(exc)}. Delete or "
-                "repair that step directory to fall back to an older one."
-            ) from exc
+            error = _root_cause(exc)
+        errors = [e for e in self._gather(error) if e]
+        if errors:
+            logger.warning(
+                "Cannot load checkpoint %s (%s); trying the next older complete step.",
+                url,
+                errors[0],
+            )
+            return errors[0]
         seconds = time.perf_counter() - started
         self.last_good = step
         logger.info("Loaded checkpoint %s in %.2fs.", url, seconds)
@@ -189,46 +267,60 @@ class CheckpointManager:
     ) -> SaveOutcome:
         url = step_url(self.cfg.url, self.run_id, step)
         local: dict[str, Any] = {"ok": True, "error": "", "files": {}}
-        self._clear_leftovers(url)
-        try:
-            writer = HashingWriter(url)
-            dcp.save(staged, storage_writer=writer, process_group=self.group)
-            local["files"] = writer.written
-        except (Exception, CheckpointException) as exc:  # storage failures must not kill training
-            local.update(ok=False, error=_root_cause(exc))
-        outcome = self._commit(step, url, self._gather(local))
+        attempt = self._start_attempt(step)
+        if attempt.startswith("save-"):
+            try:
+                writer = HashingWriter(join(url, attempt))
+                dcp.save(staged, storage_writer=writer, process_group=self.group)
+                local["files"] = writer.written
+            except (Exception, CheckpointException) as exc:  # storage must not kill training
+                local.update(ok=False, error=_root_cause(exc))
+        else:
+            local.update(ok=False, error=attempt)
+        outcome = self._commit(step, url, attempt, self._gather(local))
         outcome.blocking_s = blocking
         outcome.durable_s = time.perf_counter() - started
         return outcome
 
-    def _clear_leftovers(self, url: str) -> None:
-        """Remove what an earlier, failed attempt left at this step; all ranks then wait."""
+    def _start_attempt(self, step: int) -> str:
+        """Rank 0 checks the fence and names a fresh attempt directory; all ranks agree.
+
+        Returns the attempt (``save-<nonce>``) or, when the fence refuses, the error.
+        """
+        chosen: list[Any] = [None]
         if self.rank == 0:
             try:
-                remove_step(url)
-            except Exception as exc:  # leftovers are harmless: the new marker lists new files
-                logger.warning("Could not clear leftovers at %s: %s", url, exc)
+                self._fence().check()
+                chosen = [new_attempt()]
+            except Exception as exc:  # a refused fence: write nothing at all
+                chosen = [f"commit refused: {type(exc).__name__}: {exc}"]
         if self.distributed:
-            dist.barrier(group=self.group)
+            dist.broadcast_object_list(chosen, src=_global_rank(self.group, 0), group=self.group)
+        return str(chosen[0])
 
-    def _gather(self, local: dict[str, Any]) -> list[dict[str, Any]]:
+    def _fence(self) -> _Fence:
+        return _Fence(self.commit_fence)
+
+    def _gather(self, local: Any) -> list[Any]:
         if not self.distributed:
             return [local]
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, local, group=self.group)
         return everyone
 
-    def _commit(self, step: int, url: str, results: list[dict[str, Any]]) -> SaveOutcome:
+    def _commit(
+        self, step: int, url: str, attempt: str, results: list[dict[str, Any]]
+    ) -> SaveOutcome:
         verdict: list[Any] = [None]
         if self.rank == 0:
-            verdict = [self._commit_on_rank0(step, url, results)]
+            verdict = [self._commit_on_rank0(step, url, attempt, results)]
         if self.distributed:
             dist.broadcast_object_list(verdict, src=_global_rank(self.group, 0), group=self.group)
         ok, error, files = verdict[0]
         return SaveOutcome(step, ok, error, files=files)
 
     def _commit_on_rank0(
-        self, step: int, url: str, results: list[dict[str, Any]]
+        self, step: int, url: str, attempt: str, results: list[dict[str, Any]]
     ) -> tuple[bool, str, dict[str, Any]]:
         failed = [r["error"] for r in results if not r["ok"]]
         if failed:
@@ -236,14 +328,38 @@ class CheckpointManager:
         files: dict[str, dict[str, Any]] = {}
         for r in results:
             files.update(r["files"])
+        fence = self._fence()
         try:
-            if self.commit_fence is not None:
-                self.commit_fence(step)
-            write_commit(url, step, self.world_size, files)
+            marker = make_marker(
+                step,
+                self.world_size,
+                files,
+                run=self.run_id,
+                attempt=attempt,
+                job=fence.job,
+                round_=fence.round,
+                secret=self.secret,
+            )
+            record = {
+                "run": self.run_id,
+                "round": fence.round,
+                "attempt": attempt,
+                "digest": marker_digest(marker),
+            }
+            fence.commit(step, record)
+            write_marker(url, marker)
         except Exception as exc:  # a refused fence or a storage error: no commit
             return False, f"commit refused: {type(exc).__name__}: {exc}", {}
         try:
-            purge(self.cfg.url, self.run_id, self.cfg.keep_last, protect=step)
+            purged = purge(
+                self.cfg.url,
+                self.run_id,
+                self.cfg.keep_last,
+                protect=step,
+                check=fence.check,
+                secret=self.secret,
+            )
+            fence.forget(purged)
         except Exception as exc:  # a failed purge leaves extra steps, nothing worse
             logger.warning("Could not purge old checkpoints under %s: %s", self.cfg.url, exc)
         return True, "", files
@@ -288,6 +404,93 @@ class CheckpointManager:
                 "checkpoint.max_failures) and restart; training resumes from step "
                 f"{self.last_good}."
             )
+
+
+class _Fence:
+    """A uniform view of the optional commit fence (a plain callable or a RoundFence)."""
+
+    def __init__(self, fence: Any) -> None:
+        self._fence = fence
+        self.round: int | None = getattr(fence, "round", None)
+        self.job: str | None = getattr(fence, "job", None)
+
+    def commit(self, step: int, record: dict[str, Any]) -> None:
+        """Record the commit of ``step``; raises to refuse."""
+        if self._fence is None:
+            return
+        commit = getattr(self._fence, "commit", None)
+        if commit is not None:
+            commit(step, record)
+        else:
+            self._fence(step)
+
+    def check(self) -> None:
+        """Raise if this writer may no longer touch the run's checkpoints."""
+        check = getattr(self._fence, "check", None)
+        if check is not None:
+            check()
+
+    def records(self) -> dict[int, dict[str, Any]]:
+        """The commit records (step -> record), or ``{}`` when there are none to consult."""
+        records = getattr(self._fence, "records", None)
+        if records is None:
+            return {}
+        try:
+            return dict(records())
+        except Exception as exc:  # etcd unreachable: the markers alone still decide
+            logger.warning(
+                "Cannot read the checkpoint commit records (%s); choosing by markers alone.", exc
+            )
+            return {}
+
+    def forget(self, steps: list[int]) -> None:
+        """Drop the commit records of purged steps."""
+        forget = getattr(self._fence, "forget", None)
+        if forget is not None and steps:
+            forget(steps)
+
+
+class _Candidates:
+    """Rank 0's supply of steps to try, best first; one rescan after running out."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self._manager = manager
+        self._tried: set[tuple[int, str]] = set()
+        self._rescanned = False
+        self._steps: Iterator[StepInfo] | None = None
+
+    def next(self) -> dict[str, Any] | str | None:
+        """The next step as ``{step, url, metadata}``, ``None`` when none is left, or the
+        error (one line) that stopped the listing."""
+        try:
+            info = self._next_info()
+        except Exception as exc:  # tell the other ranks before failing
+            return f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if info is None:
+            return None
+        self._tried.add((info.step, info.digest))
+        return {"step": info.step, "url": info.data_url, "metadata": info.metadata_record}
+
+    def _next_info(self) -> StepInfo | None:
+        while True:
+            if self._steps is None:
+                m = self._manager
+                self._steps = complete_steps(
+                    m.cfg.url,
+                    m.run_id,
+                    m.cfg.verify,
+                    warn=not self._tried,
+                    secret=m.secret,
+                    records=m._fence().records(),
+                    skip=lambda info: (info.step, info.digest) in self._tried,
+                )
+            info = next(self._steps, None)
+            if info is not None:
+                return info
+            if self._rescanned or not self._tried:
+                return None
+            self._rescanned = True  # a purge may have committed newer steps meanwhile
+            self._steps = None
 
 
 def _in_daemon_thread(fn: Callable[..., SaveOutcome], *args: Any) -> Future[SaveOutcome]:

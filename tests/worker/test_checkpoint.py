@@ -31,6 +31,14 @@ RUN = "r"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
+@pytest.fixture(autouse=True)
+def _private_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the generated signing secret of these local runs out of the user's home."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    for name in ("ELASTIC_SECRET_FILE", "ELASTIC_FENCE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def _state(value: float) -> dict:
     return {
         "model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},
@@ -88,7 +96,7 @@ def test_damaged_shard_is_never_loaded(
     manager = _manager(url)
     manager.save(1, _state(1.0), block=True)
     manager.save(2, _state(2.0), block=True)
-    shard = next((tmp_path / "ckpt" / RUN / "step-2").glob("*.distcp"))
+    shard = next((tmp_path / "ckpt" / RUN / "step-2").rglob("*.distcp"))
     data = bytearray(shard.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]
