@@ -49,6 +49,7 @@ from enum import Enum
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousInfo,
     RendezvousParameters,
     dynamic_rendezvous,
@@ -60,6 +61,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic import env, events
+from elastic.errors import EtcdConnectionError
 from elastic.rendezvous.ledger import RunLedger
 from elastic.rendezvous.liveness import DeathDetector, ProbeListener
 from elastic.rendezvous.options import RendezvousOptions
@@ -119,10 +121,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _ledger: RunLedger | None = None
     _listener: ProbeListener | None = None
     _detector: DeathDetector | None = None
+    _outage_since: float | None = None
+    _outage_timeout_s: float = 600.0
 
-    def attach(self, ledger: RunLedger) -> None:
+    def attach(self, ledger: RunLedger, outage_timeout_s: float = 600.0) -> None:
         """Use the run's ledger, and listen on a probe port published in it."""
         self._ledger = ledger
+        self._outage_timeout_s = outage_timeout_s
         self._listener = ProbeListener()
         ledger.publish_probe(str(self._this_node), self._listener.port)
         self._detector = DeathDetector(ledger.probe_ports)
@@ -139,7 +144,9 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         The one query the agent asks at every monitor tick. It reads the state (one etcd
         read at most, as torch's ``num_nodes_waiting``) and changes nothing.
         """
-        waiting = super().num_nodes_waiting()
+        waiting = self._waiting_or_outage()
+        if waiting is None:  # etcd is unreachable: the round goes on without it
+            return None
         if self._reform_requested:
             return MembershipChange(ChangeKind.REQUESTED, self._joined_round, waiting=waiting)
         if waiting:
@@ -155,6 +162,36 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if gone:
             return MembershipChange(ChangeKind.PEERS_LOST, round_, tuple(sorted(map(str, gone))))
         return None
+
+    def _waiting_or_outage(self) -> int | None:
+        """torch's count of waiting nodes; None while etcd is unreachable, for up to
+        ``outage_timeout``: the workers' group does not need etcd between rounds."""
+        try:
+            waiting = super().num_nodes_waiting()
+        except RendezvousConnectionError as exc:
+            now = time.monotonic()
+            if self._outage_since is None:
+                self._outage_since = now
+                logger.warning(
+                    "etcd is unreachable (%s); training goes on, and this node gives up if "
+                    "etcd is still unreachable after %.0f s (rdzv-conf outage_timeout).",
+                    exc,
+                    self._outage_timeout_s,
+                )
+                events.emit("etcd.unreachable", run_id=self.get_run_id())
+            if now - self._outage_since > self._outage_timeout_s:
+                raise EtcdConnectionError(
+                    f"etcd has been unreachable for {now - self._outage_since:.0f} s, longer "
+                    f"than outage_timeout={self._outage_timeout_s:.0f} s; check the etcd "
+                    "cluster, then restart the agents (the checkpoints are safe)."
+                ) from exc
+            return None
+        if self._outage_since is not None:
+            seconds = time.monotonic() - self._outage_since
+            logger.warning("etcd is reachable again after %.1f s.", seconds)
+            events.emit("etcd.reachable", run_id=self.get_run_id(), seconds=round(seconds, 3))
+            self._outage_since = None
+        return waiting
 
     def num_nodes_waiting(self) -> int:
         """torch's contract for any agent: > 0 when the group must re-form (see
@@ -308,7 +345,7 @@ def build_handler(
     holder = ProbingStateHolder(backend, settings)
     handler = EtcdRendezvousHandler(node, settings, backend.name, store, holder)
     handler._op_executor = WaitListExecutor(node, holder, settings)
-    handler.attach(ledger)
+    handler.attach(ledger, options.outage_timeout)
     return handler
 
 

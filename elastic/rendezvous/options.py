@@ -15,6 +15,8 @@ ttl                 seconds an abandoned run's keys live; default 7200
 connect_timeout     seconds to reach etcd the first time; default 5
 request_timeout     seconds a request rides out an etcd outage; default 30
 store_timeout       seconds a blocking store read waits; default 300
+outage_timeout      seconds a running job rides out an unreachable etcd before the
+                    agent gives up; default 600 (training goes on meanwhile)
 ==================  ==========================================================
 
 and torch's standard ones: ``join_timeout`` (600), ``last_call_timeout`` (30),
@@ -71,6 +73,7 @@ class RendezvousOptions:
     connect_timeout: float = 5.0
     request_timeout: float = 30.0
     store_timeout: float = 300.0
+    outage_timeout: float = 600.0
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
     close_timeout: float = 30.0
@@ -93,6 +96,7 @@ class RendezvousOptions:
             "connect_timeout",
             "request_timeout",
             "store_timeout",
+            "outage_timeout",
             "join_timeout",
         ):  # keep_alive_*: the split-brain rule below
             if getattr(self, name) <= 0:

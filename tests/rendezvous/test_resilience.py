@@ -56,6 +56,26 @@ def test_agents_ride_out_an_etcd_restart(
         assert node.wait(60) == 0, cluster.logs()
 
 
+def test_training_rides_out_an_etcd_outage_longer_than_the_request_timeout(
+    cluster: Cluster, own_etcd: EtcdServer, run_id: str
+) -> None:
+    conf = "profile=fast-failover,join_timeout=60,request_timeout=2,outage_timeout=120"
+    nodes = [cluster.start(n, own_etcd.endpoint, run_id, "2", conf=conf) for n in "ab"]
+    wait_until(lambda: len(cluster.formed(2)) == 2, 90, "2 ranks")
+    own_etcd.stop(signal.SIGKILL)
+    wait_until(
+        lambda: all("etcd is unreachable" in n.output() for n in nodes), 30, "both to notice"
+    )
+    down_until = time.monotonic() + 6  # 3x the request timeout: the old agents exited here
+    wait_until(lambda: time.monotonic() > down_until, 10, "the outage to last 6 s more")
+    assert all(n.proc.poll() is None for n in nodes), cluster.logs()
+    own_etcd.start().wait_ready()
+    wait_until(lambda: all("etcd is reachable again" in n.output() for n in nodes), 60, "back")
+    cluster.stop()
+    for node in nodes:
+        assert node.wait(90) == 0, cluster.logs()
+
+
 def agent(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(Path(REPO) / ".venv" / "bin" / "elastic-agent"), *args]
