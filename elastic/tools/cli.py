@@ -12,8 +12,6 @@ from pathlib import Path
 from elastic import reform
 from elastic.errors import ConfigError, ElasticError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic", description=__doc__)
@@ -21,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a local elastic run on an embedded etcd")
     demo.add_argument("--run-id", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     demo.add_argument("--runs-dir", type=Path, default=Path("runs"))
-    demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    demo.add_argument("--config", type=Path, default=None, help="default: the shipped default.yaml")
     status = sub.add_parser("status", help="a run's rendezvous and newest checkpoint")
     status.add_argument(
         "--etcd",
@@ -56,9 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
+            from elastic_configs import config_path
+
             from elastic.tools.demo import run_demo
 
-            return run_demo(args.runs_dir, args.run_id, args.config)
+            return run_demo(args.runs_dir, args.run_id, args.config or config_path("default"))
         return _status(args)
     except ConfigError as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)
