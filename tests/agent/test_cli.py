@@ -11,8 +11,7 @@ import pytest
 
 from elastic.etcd.server import EtcdServer
 from tests.agent.jobs import Job
-from tests.helpers import PYTHON, REPO, node_env, wait_until
-from tests.rendezvous.nodes import FAST_CONF
+from tests.helpers import FAST_CONF, PYTHON, REPO, node_env, wait_until
 
 
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import PYTHON, REPO, Node, kill_pid, node_env, pid_alive, read_jsonl
+from elastic import events
+from elastic.tools.cluster import ETCD_V3, AgentOptions, LocalCluster
+from tests.helpers import FAST_CONF, REPO, Node, kill_pid, node_env  # noqa: F401  (FAST_CONF)
 
 WORKER = REPO / "tests" / "scripts" / "allreduce_worker.py"
-FAST_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-class Cluster:
-    """The nodes of one test, their worker records, and cleanup of everything started."""
+class Cluster(LocalCluster):
+    """The nodes of one test (plain torchrun agents), their worker records, and cleanup of
+    everything started."""
 
     def __init__(self, tmp: Path) -> None:
+        options = AgentOptions(torchrun=True, join_timeout=60, monitor_interval=0.5)
+        super().__init__(tmp, options=options, env=node_env())
         self.tmp = tmp
         self.records = tmp / "records.jsonl"
         self.stop_file = tmp / "stop"
-        self.nodes: list[Node] = []
 
     def start(
         self,
@@ -28,54 +29,43 @@ class Cluster:
         endpoint: str,
         run_id: str,
         nnodes: str,
-        backend: str = "etcd-v3",
-        conf: str = FAST_CONF,
+        backend: str = ETCD_V3,
+        conf: str | None = None,
         max_restarts: int = 3,
         script: list[str] | None = None,
         nproc: int = 1,
     ) -> Node:
-        argv = [
-            PYTHON,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={nnodes}",
-            f"--nproc-per-node={nproc}",
-            f"--rdzv-backend={backend}",
-            f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}",
-            f"--rdzv-conf={conf}",
-            f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5",
-            "--local-addr=127.0.0.1",
-            *(script or [str(WORKER), str(self.records), str(self.stop_file)]),
-        ]
-        node = Node(name, argv, self.tmp, node_env(TEST_NODE=name))
-        self.nodes.append(node)
-        return node
+        """Start node ``name``; ``conf`` None: the fast-failover settings, 60 s to join."""
+        return super().start(
+            name,
+            worker=script or [str(WORKER), str(self.records), str(self.stop_file)],
+            endpoint=endpoint,
+            run_id=run_id,
+            extra_env={"TEST_NODE": name},
+            nnodes=nnodes,
+            nproc=nproc,
+            backend=backend,
+            rdzv_conf=conf,
+            max_restarts=max_restarts,
+        )
 
     def formed(self, world: int | None = None) -> list[dict[str, Any]]:
-        recs = [r for r in read_jsonl(self.records) if r["event"] == "formed"]
+        recs = [r for r in events.read(self.records) if r["event"] == "formed"]
         return [r for r in recs if world is None or r["world"] == world]
 
     def stop(self) -> None:
         self.stop_file.touch()
 
     def worker_pids(self) -> set[int]:
-        return {r["pid"] for r in read_jsonl(self.records)}
+        return {r["pid"] for r in events.read(self.records)}
 
     def kill_node_of(self, record: dict[str, Any]) -> None:
         """kill -9 a whole node: its agent and its worker."""
         kill_pid(record["agent_pid"])
         kill_pid(record["pid"])
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {n.name}\n{n.output()[-3000:]}" for n in self.nodes)
+    def logs(self, tail: int = 3000) -> str:
+        return super().logs(tail)
 
     def cleanup(self) -> None:
-        for node in self.nodes:
-            node.kill(signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                node.wait(10)
-        for pid in self.worker_pids():
-            if pid_alive(pid):
-                kill_pid(pid)
+        self.close()
