@@ -1,25 +1,44 @@
 """Fenced checkpoint commits: only the current rendezvous round may publish a checkpoint.
 
 Each completed round is published at ``<prefix>/<run_id>/fence`` (zero-padded,
-so etcd's byte-wise comparison is numeric, and it only moves forward). Before
-rank 0 writes a checkpoint's commit marker it runs :class:`RoundFence`: one
-transaction that *compares* the fence with the writers' round and, only if it
-still matches, *records* the commit at ``<prefix>/<run_id>/commits/step-N``.
-A group that split off (its round is no longer the current one) is refused and
-never publishes a checkpoint. The agent hands the worker what it needs through
-``$ELASTIC_FENCE`` (JSON).
+so etcd's byte-wise comparison is numeric). Next to it ``fence-high`` records
+the newest round ever published. Neither key lives on a lease: an agent's lease
+expiring must not make the fence vanish (every commit would be refused) nor let
+an older round take it back. Both only move forward; when the fence is missing
+(deleted by hand, or published on a lease by an older agent) the current round
+puts it back, but never a round below ``fence-high``.
+
+Before rank 0 writes a checkpoint's commit marker it runs :class:`RoundFence`:
+one transaction that *compares* the fence with the writers' round and, only if
+it still matches, *records* the commit at ``<prefix>/<run_id>/commits/step-N``
+(JSON: round, checkpoint run, attempt, and the SHA-256 of the marker). That
+record is the source of truth the loader checks markers against. Purges check
+the fence right before deleting, and drop the records of the steps they delete.
+
+The agent hands the worker what it needs through ``$ELASTIC_FENCE`` (JSON). The
+etcd password never travels there: the spec names a file (mode 0600, in a
+private temporary directory) that holds it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable
+from dataclasses import InitVar, asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from etcd3 import etcdrpc
+
 from elastic import env
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointError, ConfigError
 from elastic.etcd.client import (
     EtcdClient,
     EtcdOptions,
@@ -33,28 +52,96 @@ from elastic.rendezvous.keys import RunKeys
 
 logger = logging.getLogger(__name__)
 
+_password_files: dict[str, str] = {}
+_password_lock = threading.Lock()
+
 
 def _round_bytes(round_: int) -> bytes:
     return f"{round_:012d}".encode()
 
 
-def publish_round(client: EtcdClient, keys: RunKeys, round_: int, lease: int = 0) -> None:
-    """Advance the fence to ``round_`` (never backwards)."""
-    from etcd3 import etcdrpc
+def high_key(keys: RunKeys) -> bytes:
+    """The newest round ever published (never on a lease, never moves backwards)."""
+    return keys.root + b"fence-high"
 
-    value = _round_bytes(round_)
-    put = op_put(keys.fence, value, lease)
-    if client.txn([compare_absent(keys.fence)], [put], []).succeeded:
-        return
-    older = etcdrpc.Compare(
-        key=keys.fence, result=etcdrpc.Compare.LESS, target=etcdrpc.Compare.VALUE, value=value
+
+def commit_key(keys: RunKeys, step: int) -> bytes:
+    """Where the commit record of ``step`` lives."""
+    return keys.root + f"commits/step-{step}".encode()
+
+
+def _compare_less(key: bytes, value: bytes) -> Any:
+    return etcdrpc.Compare(
+        key=key, result=etcdrpc.Compare.LESS, target=etcdrpc.Compare.VALUE, value=value
     )
-    client.txn([older], [put], [])
+
+
+def _op_delete(key: bytes) -> Any:
+    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))
+
+
+def _advance(client: EtcdClient, key: bytes, value: bytes, *also: Any) -> bool:
+    """Put ``value`` at ``key`` if it is absent or lower (and every ``also`` compare holds)."""
+    put = [op_put(key, value)]
+    if client.txn([compare_absent(key), *also], put, []).succeeded:
+        return True
+    return bool(client.txn([_compare_less(key, value), *also], put, []).succeeded)
+
+
+def publish_round(client: EtcdClient, keys: RunKeys, round_: int, lease: int = 0) -> None:
+    """Advance the fence to ``round_`` (never backwards, never below ``fence-high``).
+
+    ``lease`` is accepted for older callers and ignored: the fence must outlive
+    the agent that published it.
+    """
+    del lease
+    value = _round_bytes(round_)
+    _advance(client, high_key(keys), value)
+    # Only while round_ is the newest ever published; atomically with that check.
+    _advance(client, keys.fence, value, compare_value(high_key(keys), value))
+
+
+def _password_file(password: str) -> str:
+    """Write ``password`` into a 0600 file in a private temporary directory (once per process)."""
+    with _password_lock:
+        path = _password_files.get(password)
+        if path is not None and os.path.exists(path):
+            return path
+        directory = tempfile.mkdtemp(prefix="elastic-fence-")  # mode 0700
+        path = os.path.join(directory, "etcd-password")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, password.encode())
+        finally:
+            os.close(fd)
+        _password_files[password] = path
+        owner = os.getpid()
+
+        def cleanup() -> None:
+            if os.getpid() == owner:  # not in forked children that inherit the handler
+                shutil.rmtree(directory, ignore_errors=True)
+
+        atexit.register(cleanup)
+        return path
+
+
+def _read_password(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(
+            f"Cannot read the etcd password file {path} named by ${env.FENCE} "
+            f"({exc.strerror}); the agent that started this worker must still be running."
+        ) from exc
 
 
 @dataclass(frozen=True)
 class FenceSpec:
-    """What a worker needs to check the fence (passed as JSON in ``$ELASTIC_FENCE``)."""
+    """What a worker needs to check the fence (passed as JSON in ``$ELASTIC_FENCE``).
+
+    Holds no secret: an etcd password given as ``password`` is moved into a
+    private file at construction, and only that file's path is kept.
+    """
 
     endpoints: str
     prefix: str
@@ -64,13 +151,19 @@ class FenceSpec:
     cert: str | None = None
     key: str | None = None
     user: str | None = None
-    password: str | None = None
+    password_file: str | None = None
     tls: bool = False
+    password: InitVar[str | None] = None
+
+    def __post_init__(self, password: str | None) -> None:
+        if password and not self.password_file:
+            object.__setattr__(self, "password_file", _password_file(password))
 
     @classmethod
     def for_run(cls, options: EtcdOptions, keys: RunKeys, round_: int) -> FenceSpec:
         """The spec for the workers of ``round_`` of the run at ``keys``."""
         o = options
+        password_file = getattr(o, "password_file", None)
         return cls(
             endpoints=",".join(str(e) for e in o.endpoints),
             prefix=keys.prefix,
@@ -80,8 +173,9 @@ class FenceSpec:
             cert=o.cert,
             key=o.key,
             user=o.user,
-            password=o.password,
+            password_file=password_file,
             tls=o.tls,
+            password=None if password_file else o.password,
         )
 
     def to_env(self) -> str:
@@ -107,29 +201,89 @@ class RoundFence:
                 cert=spec.cert,
                 key=spec.key,
                 user=spec.user,
-                password=spec.password,
+                password=_read_password(spec.password_file) if spec.password_file else None,
             )
         )
         self._keys = RunKeys(spec.prefix, spec.run_id)
+        self._mine = compare_value(self._keys.fence, _round_bytes(spec.round))
+
+    @property
+    def round(self) -> int:
+        """The writers' rendezvous round."""
+        return self.spec.round
+
+    @property
+    def job(self) -> str:
+        """The rendezvous run id (the job) whose fence this is."""
+        return self.spec.run_id
 
     def __call__(self, step: int) -> None:
-        record = op_put(
-            self._keys.root + f"commits/step-{step}".encode(), str(self.spec.round).encode()
-        )
-        response = self._client.txn(
-            [compare_value(self._keys.fence, _round_bytes(self.spec.round))],
-            [record],
-            [op_get(self._keys.fence)],
-        )
-        if response.succeeded:
-            return
-        kvs: Any = response.responses[0].response_range.kvs
-        current = int(kvs[0].value) if kvs else None
-        raise CheckpointError(
-            f"Refusing to commit step {step}: it was written by rendezvous round "
-            f"{self.spec.round}, but the current round in etcd is {current}; this group "
-            "is no longer the job."
-        )
+        self.commit(step)
+
+    def commit(self, step: int, record: dict[str, Any] | None = None) -> None:
+        """Record the commit of ``step`` if this round is still current; raise otherwise."""
+        value = json.dumps({**(record or {}), "round": self.spec.round}, sort_keys=True)
+        put = op_put(commit_key(self._keys, step), value.encode())
+        self._fenced(f"commit step {step}", [put])
+
+    def check(self) -> None:
+        """Raise unless this round is still current (before writing or deleting anything)."""
+        self._fenced("touch the checkpoints", [])
+
+    def records(self) -> dict[int, dict[str, Any]]:
+        """Every commit record of the run: step -> record."""
+        prefix = self._keys.root + b"commits/step-"
+        records: dict[int, dict[str, Any]] = {}
+        for kv in self._client.range(prefix, prefix=True).kvs:
+            try:
+                step = int(kv.key[len(prefix) :])
+                value = json.loads(kv.value)
+            except ValueError:
+                logger.warning("Ignoring the malformed commit record %r.", kv.key)
+                continue
+            records[step] = value if isinstance(value, dict) else {"round": value}
+        return records
+
+    def forget(self, steps: Iterable[int]) -> None:
+        """Delete the commit records of purged steps (only while this round is current)."""
+        deletes = [_op_delete(commit_key(self._keys, s)) for s in steps]
+        if deletes:
+            self._fenced("forget purged steps", deletes)
+
+    def _fenced(self, what: str, ops: list[Any]) -> None:
+        for attempt in range(2):
+            response = self._client.txn(
+                [self._mine], ops, [op_get(self._keys.fence), op_get(high_key(self._keys))]
+            )
+            if response.succeeded:
+                return
+            current = _int_value(response.responses[0].response_range.kvs)
+            if current is None and attempt == 0:
+                logger.warning(
+                    "The checkpoint fence of run %s is missing; republishing round %d.",
+                    self._keys.run_id,
+                    self.spec.round,
+                )
+                publish_round(self._client, self._keys, self.spec.round)
+                continue
+            newest = _int_value(response.responses[1].response_range.kvs)
+            where = current if current is not None else f"{current} (newest ever: {newest})"
+            raise CheckpointError(
+                f"Refusing to {what}: the writers are in rendezvous round "
+                f"{self.spec.round}, but the current round in etcd is {where}; this group "
+                "is no longer the job."
+            )
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.close()
 
 
-__all__ = ["FenceSpec", "RoundFence", "publish_round"]
+def _int_value(kvs: Any) -> int | None:
+    try:
+        return int(kvs[0].value) if kvs else None
+    except ValueError:
+        return None
+
+
+__all__ = ["FenceSpec", "RoundFence", "commit_key", "high_key", "publish_round"]

@@ -39,7 +39,12 @@ class _Section(BaseModel):
 class JobConfig(_Section):
     """What run this is and how long it lasts."""
 
-    run_id: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    run_id: str = Field(
+        "default",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="checkpoint run id; unset or 'default' under an agent: the rendezvous id",
+    )
     max_steps: int | None = Field(200, ge=1)
     max_epochs: int | None = Field(None, ge=1)
     stop_at: int | None = Field(
@@ -54,6 +59,16 @@ class JobConfig(_Section):
     min_step_s: float = Field(
         0.0, ge=0, description="pace steps to at least this long (slow motion for demos/tests)"
     )
+
+    @field_validator("run_id")
+    @classmethod
+    def _names_one_directory(cls, run_id: str) -> str:
+        if run_id in (".", ".."):
+            raise ValueError(
+                "a run id names the checkpoint directory, so it must not be '.' or '..'; "
+                "use letters, digits, '.', '_' and '-'"
+            )
+        return run_id
 
     @model_validator(mode="after")
     def _one_limit(self) -> JobConfig:
@@ -182,6 +197,34 @@ class Config(_Section):
                 f"job.max_steps ({steps})"
             )
         return self
+
+
+DEFAULT_RUN_ID = "default"
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def checkpoint_run_id(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
+    """The run id that names this job's checkpoint directory.
+
+    ``job.run_id`` when it is set to anything but ``default``; else, under an
+    agent, the rendezvous id (``$TORCHELASTIC_RUN_ID``), so that two jobs never
+    share a checkpoint directory by accident. ``torchrun --standalone`` makes up a
+    random rendezvous id per launch, which would never resume: there the
+    configured id stays.
+    """
+    environ = os.environ if environ is None else environ
+    chosen = cfg.job.run_id
+    if "run_id" in cfg.job.model_fields_set and chosen != DEFAULT_RUN_ID:
+        return chosen
+    rdzv = environ.get(env.RUN_ID, "")
+    if not rdzv or _UUID.match(rdzv.lower()):
+        return chosen
+    if rdzv in (".", "..") or not re.match(r"^[A-Za-z0-9_.\-]+$", rdzv):
+        raise ConfigError(
+            f"The rendezvous id {rdzv!r} cannot name a checkpoint directory; set job.run_id "
+            "to a name of letters, digits, '.', '_' and '-'."
+        )
+    return rdzv
 
 
 def validate_url(url: str) -> str:
@@ -328,6 +371,7 @@ __all__ = [
     "JobConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "checkpoint_run_id",
     "env_overrides",
     "load_config",
     "parse_overrides",

@@ -32,7 +32,13 @@ from elastic import env, events, reform
 from elastic.checkpoint import CheckpointManager, CommitFence
 from elastic.errors import CheckpointError, ConfigError
 from elastic.procs import WORKER_NAME, die_with_parent, set_name
-from elastic.training.config import Config, DistributedConfig, JobConfig, load_config
+from elastic.training.config import (
+    Config,
+    DistributedConfig,
+    JobConfig,
+    checkpoint_run_id,
+    load_config,
+)
 from elastic.training.data import build_dataset
 from elastic.training.model import build_model
 from elastic.training.sampler import Cursor, ElasticSampler
@@ -170,8 +176,9 @@ class Worker:
             ctx.world_size,
             ctx.device,
         )
+        self.run_id = checkpoint_run_id(cfg)
         self.checkpoints = CheckpointManager(
-            cfg.checkpoint, cfg.job.run_id, ctx.checkpoint_group, commit_fence
+            cfg.checkpoint, self.run_id, ctx.checkpoint_group, commit_fence
         )
         self.step = 0
         self.cursor = Cursor()
@@ -196,10 +203,11 @@ class Worker:
                 "Worker start: world size %d, torch elastic restart %d, run %s.",
                 self.ctx.world_size,
                 restarts,
-                self.cfg.job.run_id,
+                self.run_id,
             )
         if not self.cfg.checkpoint.enabled:
             return
+        self.checkpoints.check_storage()
         loaded = self.checkpoints.load_latest(self.state_dict)
         if loaded is None:
             return
