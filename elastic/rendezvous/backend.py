@@ -14,6 +14,8 @@ without it a crowd of joining nodes feeds its own retries.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import random
 import struct
 import time
@@ -22,33 +24,63 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
+from elastic import env
 from elastic.errors import EtcdStateError
 from elastic.etcd.client import EtcdClient, compare_absent, compare_mod, op_get, op_put
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
 from elastic.rendezvous.ledger import as_revision
 
-_MAGIC = b"EV3\x01"
+_MAGIC = b"EV3\x01"  # CRC-32 framing: detects corruption, not tampering
+_MAGIC_SIGNED = b"EV3\x02"  # HMAC-SHA256 under the job's secret
 _HEADER = struct.Struct(">4sI")  # magic, crc32 of the payload
+_MAC_BYTES = 32
+_DOMAIN = b"elastic-rdzv-state-v1\0"
 _BACKOFF_BASE_S = 0.002
 _BACKOFF_CAP_S = 0.05
 
 
-def encode_state(state: bytes) -> bytes:
-    """Frame the state with a magic tag and a checksum so corruption is detected."""
+def _mac(secret: bytes, state: bytes) -> bytes:
+    return hmac.new(secret, _DOMAIN + state, hashlib.sha256).digest()
+
+
+def encode_state(state: bytes, secret: bytes | None = None) -> bytes:
+    """Frame the state: signed (HMAC) with the job's secret, else with a CRC-32."""
+    if secret:
+        return _MAGIC_SIGNED + _mac(secret, state) + state
     return _HEADER.pack(_MAGIC, zlib.crc32(state)) + state
 
 
-def decode_state(blob: bytes, key: bytes) -> bytes:
-    """Undo :func:`encode_state`; raise ``EtcdStateError`` naming the key on any mismatch."""
+def decode_state(blob: bytes, key: bytes, secret: bytes | None = None) -> bytes:
+    """Undo :func:`encode_state`; raise ``EtcdStateError`` naming the key on any mismatch.
+
+    With a secret, only a state signed with it is returned (torch unpickles what this
+    returns, so an unsigned or forged state never reaches pickle).
+    """
+    name = key.decode()
+    magic = blob[:4]
+    if secret:
+        mac, payload = blob[4 : 4 + _MAC_BYTES], blob[4 + _MAC_BYTES :]
+        if magic == _MAGIC_SIGNED and hmac.compare_digest(mac, _mac(secret, payload)):
+            return payload
+        raise EtcdStateError(
+            f"The rendezvous state at etcd key '{name}' is not signed with this job's secret "
+            f"(forged, or written by an agent with another ${env.SECRET_FILE}); give every "
+            "agent the same secret file, or delete the key to start afresh."
+        )
+    if magic == _MAGIC_SIGNED:
+        raise EtcdStateError(
+            f"The rendezvous state at etcd key '{name}' is signed, but this process has no "
+            f"secret; set ${env.SECRET_FILE} to the job's secret file."
+        )
     if len(blob) >= _HEADER.size:
         magic, crc = _HEADER.unpack_from(blob)
         payload = blob[_HEADER.size :]
         if magic == _MAGIC and zlib.crc32(payload) == crc:
             return payload
     raise EtcdStateError(
-        f"The rendezvous state at etcd key '{key.decode()}' is corrupt; stop the run's agents "
-        f"and delete the key (etcdctl del {key.decode()}) to start the rendezvous afresh."
+        f"The rendezvous state at etcd key '{name}' is corrupt; stop the run's agents "
+        f"and delete the key (etcdctl del {name}) to start the rendezvous afresh."
     )
 
 
@@ -59,9 +91,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
         client: the etcd client.
         keys: the run's key layout.
         lease: the lease attached to every write (keys of an abandoned run expire).
+        secret: the job's secret; the state is then signed and only a signed one is read.
     """
 
-    def __init__(self, client: EtcdClient, keys: RunKeys, lease: RunLease) -> None:
+    def __init__(
+        self, client: EtcdClient, keys: RunKeys, lease: RunLease, secret: bytes | None = None
+    ) -> None:
+        self._secret = secret
         self._client = client
         self._keys = keys
         self._key = keys.state
@@ -78,7 +114,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         kvs = self._client.range(self._key).kvs
         if not kvs:
             return None
-        return decode_state(kvs[0].value, self._key), kvs[0].mod_revision
+        return decode_state(kvs[0].value, self._key, self._secret), kvs[0].mod_revision
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -91,7 +127,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             if revision is None:
                 return self._current()
             compare = compare_mod(self._key, revision)
-        put = op_put(self._key, encode_state(state), self._lease.id())
+        put = op_put(self._key, encode_state(state, self._secret), self._lease.id())
         response = self._client.txn([compare], [put], [op_get(self._key)])
         if response.succeeded:
             self._losses = 0
@@ -106,7 +142,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def _from_range(self, kvs: Any) -> tuple[bytes, Token, bool] | None:
         if not kvs:
             return None
-        return decode_state(kvs[0].value, self._key), kvs[0].mod_revision, False
+        return decode_state(kvs[0].value, self._key, self._secret), kvs[0].mod_revision, False
 
 
 __all__ = ["EtcdRendezvousBackend", "decode_state", "encode_state"]

@@ -66,7 +66,26 @@ def create_run(
     lease = RunLease(client, options.ttl)
     lease.id()  # grant it now, not inside the first compare-and-set of a round
     store = EtcdStore(client, keys, lease, timeout=timedelta(seconds=options.store_timeout))
-    return EtcdRendezvousBackend(client, keys, lease), store, RunLedger(client, keys, lease)
+    backend = EtcdRendezvousBackend(client, keys, lease, state_secret())
+    return backend, store, RunLedger(client, keys, lease)
+
+
+def state_secret() -> bytes | None:
+    """The job's secret that signs the rendezvous state: ``$ELASTIC_SECRET_FILE``.
+
+    Without one the state is framed with a CRC-32 only (one warning): whoever can write
+    etcd could then run code in the agents, which unpickle the state.
+    """
+    from elastic.secret import job_secret
+
+    if os.environ.get(env.SECRET_FILE):
+        return job_secret()
+    logger.warning(
+        "No $%s: the rendezvous state in etcd is not signed, so whoever can write etcd can "
+        "run code in the agents; give every agent the same secret file (see docs/operations.md).",
+        env.SECRET_FILE,
+    )
+    return None
 
 
 def create_backend(
@@ -97,4 +116,11 @@ def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
     return create_rdzv_handler
 
 
-__all__ = ["NAME", "create_backend", "create_rdzv_handler", "create_run", "handler_factory"]
+__all__ = [
+    "NAME",
+    "create_backend",
+    "create_rdzv_handler",
+    "create_run",
+    "handler_factory",
+    "state_secret",
+]

@@ -38,11 +38,12 @@ def _parser() -> argparse.ArgumentParser:
 def _status(args: argparse.Namespace) -> int:
     from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
     from elastic.rendezvous.keys import RunKeys
+    from elastic.rendezvous.registry import state_secret
     from elastic.tools.status import checkpoint_status, format_table, rendezvous_status, status_json
 
     endpoints, https = parse_endpoints(args.etcd)
     with EtcdClient(EtcdOptions(endpoints, tls=https)) as client:
-        rdzv = rendezvous_status(client, RunKeys(args.prefix, args.run_id))
+        rdzv = rendezvous_status(client, RunKeys(args.prefix, args.run_id), state_secret())
     ckpt = checkpoint_status(args.checkpoint_url, args.run_id)
     out = status_json if args.json else format_table
     print(out(args.run_id, rdzv, ckpt))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 from datetime import datetime, timezone
@@ -12,18 +13,48 @@ from elastic.etcd.client import EtcdClient
 from elastic.rendezvous.backend import decode_state
 from elastic.rendezvous.keys import RunKeys
 
+# The only globals torch's rendezvous state pickles; anything else is refused unread.
+_ALLOWED = {
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+    ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+    ("datetime", "datetime"),
+    ("datetime", "timezone"),
+    ("datetime", "timedelta"),
+    ("builtins", "set"),
+}
 
-def rendezvous_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
-    """Decode the run's rendezvous state into plain data (empty when there is none)."""
+
+class _StateUnpickler(pickle.Unpickler):
+    """Unpickles torch's rendezvous state and nothing else (no code runs from etcd)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a rendezvous state")
+        return super().find_class(module, name)
+
+
+def load_state(payload: bytes) -> Any:
+    """Unpickle a rendezvous state with the allow-list above."""
+    return _StateUnpickler(io.BytesIO(payload)).load()
+
+
+def rendezvous_status(
+    client: EtcdClient, keys: RunKeys, secret: bytes | None = None
+) -> dict[str, Any]:
+    """Decode the run's rendezvous state into plain data (empty when there is none).
+
+    The state is authenticated with ``secret`` when one is given (as the agents do), and
+    unpickled only through an allow-list of torch's state classes either way.
+    """
     kvs = client.range(keys.state).kvs
     if not kvs:
         return {"exists": False}
     try:
-        state = pickle.loads(decode_state(kvs[0].value, keys.state))
-    except (pickle.UnpicklingError, AttributeError, EOFError) as exc:
+        state = load_state(decode_state(kvs[0].value, keys.state, secret))
+    except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError) as exc:
         raise EtcdStateError(
-            f"The rendezvous state at '{keys.state.decode()}' cannot be decoded by this torch "
-            "version; check that every node runs the same torch."
+            f"The rendezvous state at '{keys.state.decode()}' cannot be decoded ({exc}); check "
+            "that every node runs the same torch, and that nobody else writes that key."
         ) from exc
     now = datetime.now(timezone.utc)
     members = []
@@ -86,4 +117,10 @@ def status_json(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None) 
     return json.dumps({"run_id": run_id, "rendezvous": rdzv, "checkpoint": ckpt}, indent=2)
 
 
-__all__ = ["checkpoint_status", "format_table", "rendezvous_status", "status_json"]
+__all__ = [
+    "checkpoint_status",
+    "format_table",
+    "load_state",
+    "rendezvous_status",
+    "status_json",
+]
