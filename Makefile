@@ -28,8 +28,11 @@ docker:
 test: lint docker
 	$(BIN)/python -m pytest
 
+# Writes bench/results-rendezvous.json and bench/results-recovery.json (not tracked; each
+# records its git commit and UTC time); the figures are in bench/README-*.md.
 bench: $(BIN)/elastic
-	$(BIN)/python bench/rendezvous.py
+	$(BIN)/python bench/rendezvous.py --json-out bench/results-rendezvous.json
+	$(BIN)/python bench/recovery.py --json-out bench/results-recovery.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -38,9 +38,10 @@ An event that does not reach its world size within ``--event-timeout``
 is "not recovered" and ends that run (``ok: false``).
 
 Launchers. ``ours``: ``python -m agents.launch`` (etcd-v3 rendezvous) with
-``join_timeout=120,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``.
-``c10d-tuned``: ``python -m torch.distributed.run --rdzv-backend=c10d`` with the
-same keep-alive and last-call settings. ``c10d-default`` (``--with-defaults``):
+``profile=fast-failover,join_timeout=120`` (the profile: ``last_call_timeout=1,
+keep_alive_interval=1,keep_alive_max_attempt=3``). ``c10d-tuned``: ``python -m
+torch.distributed.run --rdzv-backend=c10d`` with the same keep-alive and last-call
+settings (``FAST_FAILOVER_CONF``). ``c10d-default`` (``--with-defaults``):
 torch's own timeouts (keep-alive 5 s x 3, last call 30 s). Both c10d variants
 run with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (in torch 2.14.1 a join
 otherwise hangs). Under torchrun a peer's exit 75 (stop for a re-form) counts as
@@ -50,18 +51,21 @@ a failure and spends a restart; ours re-forms without spending one.
 with ``kill -9``, under c10d-tuned and, as a control, under ours; reports whether
 n2 ever trains at world 1 (within ``--event-timeout``) and how its agent ended.
 
+The nodes are started and driven by :class:`elastic.tools.cluster.LocalCluster`, and the
+scenario is :func:`elastic.tools.cluster.membership_scenario` (``elastic demo`` runs it too).
+The JSON output records the git commit and the UTC time of the run (``provenance``).
+
 Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--json-out PATH]``
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,7 +73,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -77,161 +80,54 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from elastic import env, events  # noqa: E402
-from elastic.etcd.server import EtcdServer, free_port, start_etcd  # noqa: E402
-from elastic.procs import children, kill  # noqa: E402
+from elastic.rendezvous.options import FAST_FAILOVER_CONF  # noqa: E402
+from elastic.tools.cluster import (  # noqa: E402
+    C10D,
+    SCENARIO,
+    AgentOptions,
+    LocalCluster,
+    WaitTimeout,
+    agent_env,
+    measure,
+    membership_scenario,
+    provenance,
+    start_pair,
+)
 
-TUNED = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
-OURS_CONF = f"join_timeout=120,{TUNED}"
 MIN_STEP_S = 0.25
 CKPT_INTERVAL = 5
 MAX_STEPS = 2000  # never reached: the bench stops the job after the last event
 STEPS_BETWEEN = 8
 KINDS = ("join", "leave", "kill")
-
-
-class NotRecovered(Exception):
-    """An event's new world size never trained in time, or every agent exited."""
-
-
-@dataclass
-class Launcher:
-    """How one backend starts a node."""
-
-    name: str
-    rdzv_conf: str  # "" = torch's defaults
-    c10d: bool
-
-    def argv(self, endpoint: str, run_id: str, host: bool) -> list[str]:
-        conf = self.rdzv_conf
-        if self.c10d:
-            conf = ",".join(filter(None, [conf, f"is_host={str(host).lower()}"]))
-            head = ["-m", "torch.distributed.run", "--rdzv-backend=c10d"]
-        else:
-            head = ["-m", "agents.launch"]
-        return [
-            sys.executable,
-            *head,
-            "--nnodes=1:3",
-            "--nproc-per-node=1",
-            f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}",
-            *([f"--rdzv-conf={conf}"] if conf else []),
-            "--max-restarts=10",
-            "--monitor-interval=0.3",
-            "--local-addr=127.0.0.1",
-        ]
-
-
-LAUNCHERS = {
-    "ours": Launcher("ours", OURS_CONF, c10d=False),
-    "c10d-tuned": Launcher("c10d-tuned", TUNED, c10d=True),
-    "c10d-default": Launcher("c10d-default", "", c10d=True),
+_COMMON = {"nnodes": "1:3", "max_restarts": 10, "monitor_interval": 0.3, "join_timeout": 120}
+LAUNCHERS = {  # name -> how its nodes start
+    "ours": AgentOptions(**_COMMON),
+    "c10d-tuned": AgentOptions(
+        torchrun=True, backend=C10D, rdzv_conf=FAST_FAILOVER_CONF, **_COMMON
+    ),
+    "c10d-default": AgentOptions(torchrun=True, backend=C10D, rdzv_conf="", **_COMMON),
 }
 
 
-@dataclass
-class Cluster:
-    """The nodes of one run, its event log, and cleanup of every process it started."""
-
-    launcher: Launcher
-    run_dir: Path
-    event_timeout: float
-    run_id: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:8]}")
-    endpoint: str = ""
-    etcd: EtcdServer | None = None
-    nodes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    @property
-    def event_log(self) -> Path:
-        return self.run_dir / "events.jsonl"
-
-    def open(self) -> None:
-        if self.launcher.c10d:
-            self.endpoint = f"127.0.0.1:{free_port()}"
-        else:
-            self.etcd = start_etcd(self.run_dir / "etcd")
-            self.endpoint = self.etcd.endpoint
-
-    def start(self, name: str, host: bool = False) -> None:
-        worker = [
-            "-m",
-            "elastic.training.worker",
-            "--config",
-            str(REPO / "configs" / "tiny.yaml"),
-            f"job.run_id={self.run_id}",
-            f"job.max_steps={MAX_STEPS}",
-            "job.log_every=1",
-            f"job.min_step_s={MIN_STEP_S}",
-            f"checkpoint.url={self.run_dir / 'ckpt'}",
-            f"checkpoint.interval={CKPT_INTERVAL}",
-        ]
-        environ = {
-            **os.environ,
-            env.EVENT_LOG: str(self.event_log),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            "LOGLEVEL": "INFO",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }
-        if self.launcher.c10d:
-            environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        argv = self.launcher.argv(self.endpoint, self.run_id, host) + worker
-        with open(self.run_dir / f"{name}.log", "wb") as log:
-            self.nodes[name] = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=environ,
-                cwd=REPO,
-                start_new_session=True,
-            )
-
-    def wait_store(self, timeout: float = 120) -> None:
-        """Wait until the c10d TCPStore hosted by the first node accepts connections."""
-        host, port = self.endpoint.rsplit(":", 1)
-        self.wait_for(lambda: _listens(host, int(port)), "the c10d store", timeout)
-
-    def steps(self) -> list[dict[str, Any]]:
-        return events.read(self.event_log, "train.step")
-
-    def last_step(self) -> int:
-        steps = self.steps()  # the newest step, not the highest: a rollback goes back
-        return steps[-1]["step"] if steps else 0
-
-    def wait_for(self, predicate: Callable[[], bool], what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise NotRecovered(f"timed out after {timeout:.0f} s waiting for {what}")
-            if all(p.poll() is not None for p in self.nodes.values()):
-                raise NotRecovered(f"every agent exited while waiting for {what}")
-            time.sleep(0.1)
-
-    def first_step_after(self, ts: float, world: int) -> dict[str, Any] | None:
-        later = (e for e in self.steps() if e["ts"] > ts and e["world_size"] == world)
-        return next(later, None)
-
-    def kill_node(self, name: str) -> None:
-        """kill -9 of a node: its agent and the agent's workers (found before the kill)."""
-        agent = self.nodes[name]
-        for pid in [agent.pid, *children(agent.pid)]:
-            kill(pid, signal.SIGKILL)
-        agent.wait()
-
-    def close(self) -> None:
-        for proc in self.nodes.values():
-            for pid in [*children(proc.pid), proc.pid]:
-                kill(pid, signal.SIGKILL)
-            proc.wait()
-        if self.etcd is not None:
-            self.etcd.stop()
-
-
-def _listens(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
+def make_cluster(name: str, run_dir: Path) -> LocalCluster:
+    """A cluster of launcher ``name`` in ``run_dir`` (ours: with its own etcd)."""
+    options = LAUNCHERS[name]
+    extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if options.backend == C10D else {}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return LocalCluster(
+        run_dir,
+        f"bench-{uuid.uuid4().hex[:8]}",
+        options=options,
+        config=REPO / "configs" / "tiny.yaml",
+        max_steps=MAX_STEPS,
+        overrides={
+            "job.log_every": 1,
+            "job.min_step_s": MIN_STEP_S,
+            "checkpoint.interval": CKPT_INTERVAL,
+        },
+        env=agent_env(LOGLEVEL="INFO", PYTHONPATH=path, **extra),
+        cwd=REPO,
+    )
 
 
 MARKERS = {  # phase -> (log text, which occurrence in the window)
@@ -259,13 +155,13 @@ def _line_ts(line: str) -> float | None:
     return None
 
 
-def _log_phases(cluster: Cluster, t0: float, t1: float) -> dict[str, float]:
+def _log_phases(cluster: LocalCluster, t0: float, t1: float) -> dict[str, float]:
     """Seconds from the event to each marker of :data:`MARKERS` in the agents' logs."""
     hits: dict[str, list[float]] = {k: [] for k in MARKERS}
     rounds = 0  # rendezvous rounds one node went through: > 1 means a spurious round
-    for log in cluster.run_dir.glob("n*.log"):
+    for node in cluster.nodes.values():
         mine = 0
-        for line in log.read_text(errors="replace").splitlines():
+        for line in node.output().splitlines():
             ts = _line_ts(line)
             if ts is None or not t0 < ts <= t1:
                 continue
@@ -282,46 +178,16 @@ def _log_phases(cluster: Cluster, t0: float, t1: float) -> dict[str, float]:
     return out
 
 
-def _phases(cluster: Cluster, t0: float, first: dict[str, Any]) -> dict[str, float]:
-    """Where the recovery time went: log markers, checkpoint load, the training pause."""
-    out = _log_phases(cluster, t0, first["ts"])
-    log = events.read(cluster.event_log)
-    loads = [e for e in log if e["kind"] == "ckpt.load" and t0 < e["ts"] <= first["ts"]]
+def _annotate(cluster: LocalCluster, entry: dict[str, Any], first: dict[str, Any]) -> None:
+    """Where the recovery time went: log markers and the checkpoint load (the training
+    pause is :func:`~elastic.tools.cluster.measure`'s ``pause_s``)."""
+    t0 = entry["t"]
+    entry.update(_log_phases(cluster, t0, first["ts"]))
+    loads = [e for e in cluster.events("ckpt.load") if t0 < e["ts"] <= first["ts"]]
     if loads:
-        out["ckpt_loaded_s"] = round(max(e["ts"] for e in loads) - t0, 2)
-        out["load_s"] = round(max(e["seconds"] for e in loads), 2)
-    before = [e["ts"] for e in log if e["kind"] == "train.step" and e["ts"] < first["ts"]]
-    if before:
-        out["pause_s"] = round(first["ts"] - max(before), 2)
-    return out
-
-
-def measure(
-    cluster: Cluster, kind: str, node: str, world: int, act: Callable[[], None]
-) -> dict[str, Any]:
-    """Run one event; wait for the first step at ``world``; return its figures."""
-    before = cluster.last_step()
-    t0 = time.time()
-    act()
-    entry: dict[str, Any] = {"kind": kind, "node": node, "world": world, "step_before": before}
-    try:
-        cluster.wait_for(
-            lambda: cluster.first_step_after(t0, world) is not None,
-            f"a step at world size {world}",
-            cluster.event_timeout,
-        )
-    except NotRecovered as exc:
-        entry.update(recover_s=None, steps_lost=None, error=str(exc))
-        return entry
-    first = cluster.first_step_after(t0, world)
-    assert first is not None
-    entry.update(
-        recover_s=round(first["ts"] - t0, 2),
-        first_step=first["step"],
-        steps_lost=max(0, before - (first["step"] - 1)),
-        **_phases(cluster, t0, first),
-    )
-    return _derive(entry)
+        entry["ckpt_loaded_s"] = round(max(e["ts"] for e in loads) - t0, 2)
+        entry["load_s"] = round(max(e["seconds"] for e in loads), 2)
+    _derive(entry)
 
 
 def _derive(entry: dict[str, Any]) -> dict[str, Any]:
@@ -333,55 +199,35 @@ def _derive(entry: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def _train_more(cluster: Cluster, steps: int) -> None:
-    target = cluster.last_step() + steps
-    cluster.wait_for(lambda: cluster.last_step() >= target, f"step {target}", cluster.event_timeout)
+def scenario(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
+    """n1 and n2 train; n3 joins; n2 leaves by SIGTERM; n3 is killed with -9."""
+    return membership_scenario(
+        cluster,
+        ("n1", "n2", "n3"),
+        steps_between=STEPS_BETWEEN,
+        timeout=timeout,
+        annotate=functools.partial(_annotate, cluster),
+    )
 
 
-def _start_pair(cluster: Cluster) -> None:
-    """Start n1 (the c10d store host) then n2; train STEPS_BETWEEN steps at world size 2."""
-    cluster.start("n1", host=True)
-    if cluster.launcher.c10d:
-        cluster.wait_store()
-    cluster.start("n2")
-    cluster.wait_for(lambda: cluster.first_step_after(0, 2) is not None, "world size 2", 300)
-    _train_more(cluster, STEPS_BETWEEN)
-
-
-def scenario(cluster: Cluster) -> list[dict[str, Any]]:
-    """2 nodes train; n3 joins; n2 leaves by SIGTERM; n3 is killed with -9."""
-    _start_pair(cluster)
-    plan: list[tuple[str, str, int, Callable[[], None]]] = [
-        ("join", "n3", 3, lambda: cluster.start("n3")),
-        ("leave", "n2", 2, lambda: cluster.nodes["n2"].send_signal(signal.SIGTERM)),
-        ("kill", "n3", 1, lambda: cluster.kill_node("n3")),
-    ]
-    done: list[dict[str, Any]] = []
-    for kind, node, world, act in plan:
-        entry = measure(cluster, kind, node, world, act)
-        done.append(entry)
-        if entry["recover_s"] is None:
-            break
-        _train_more(cluster, STEPS_BETWEEN)
-    return done
-
-
-def host_kill(cluster: Cluster) -> dict[str, Any]:
+def host_kill(cluster: LocalCluster, timeout: float) -> dict[str, Any]:
     """Kill -9 the first node (under c10d: the rendezvous store host); does the other go on?"""
-    _start_pair(cluster)
-    label = "n1 (store host)" if cluster.launcher.c10d else "n1 (first node)"
+    start_pair(cluster, ("n1", "n2"), STEPS_BETWEEN, timeout)
+    label = "n1 (store host)" if cluster.options.backend == C10D else "n1 (first node)"
     killed_at = time.time()
-    entry = measure(cluster, "kill", label, 1, lambda: cluster.kill_node("n1"))
+    entry, first = measure(cluster, "kill", label, 1, lambda: cluster.kill_node("n1"), timeout)
+    if first is not None:
+        _annotate(cluster, entry, first)
     survivor = cluster.nodes["n2"]
     try:
-        code: int | None = survivor.wait(5 if entry["recover_s"] is not None else 60)
+        code: int | None = survivor.wait(5 if first is not None else 60)
         entry["survivor_exit_s"] = round(time.time() - killed_at, 1)
     except subprocess.TimeoutExpired:
         code = None
-    tail = (cluster.run_dir / "n2.log").read_text(errors="replace").strip().splitlines()
+    tail = survivor.output().strip().splitlines()
     errors = [line for line in tail if "Error" in line or "error" in line]
     entry.update(
-        recovered=entry["recover_s"] is not None,
+        recovered=first is not None,
         survivor_exit_code=code,
         survivor_last_error=(errors[-1][:300] if errors else None),
     )
@@ -389,18 +235,22 @@ def host_kill(cluster: Cluster) -> dict[str, Any]:
 
 
 def run_one(
-    launcher: Launcher, base: Path, event_timeout: float, keep: bool, body: Callable[[Cluster], Any]
-) -> tuple[Any, Cluster, float, str | None]:
+    name: str,
+    base: Path,
+    event_timeout: float,
+    keep: bool,
+    body: Callable[[LocalCluster, float], Any],
+) -> tuple[Any, LocalCluster, float, str | None]:
     """Run ``body`` on a fresh cluster in its own dir; always kill what it started."""
-    run_dir = Path(tempfile.mkdtemp(prefix=f"{launcher.name}-", dir=base))
-    cluster = Cluster(launcher, run_dir, event_timeout)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
+    cluster = make_cluster(name, run_dir)
     started = time.time()
     result: Any = None
     error = None
     try:
         cluster.open()
-        result = body(cluster)
-    except NotRecovered as exc:
+        result = body(cluster, event_timeout)
+    except WaitTimeout as exc:
         error = str(exc)
     finally:
         cluster.close()
@@ -409,12 +259,12 @@ def run_one(
     return result, cluster, round(time.time() - started, 1), error
 
 
-def scenario_result(launcher: Launcher, base: Path, args: argparse.Namespace) -> dict[str, Any]:
-    found, cluster, total, error = run_one(launcher, base, args.event_timeout, args.keep, scenario)
+def scenario_result(name: str, base: Path, args: argparse.Namespace) -> dict[str, Any]:
+    found, cluster, total, error = run_one(name, base, args.event_timeout, args.keep, scenario)
     evs = found or []
     ok = error is None and len(evs) == 3 and all(e["recover_s"] is not None for e in evs)
     out = {
-        "backend": launcher.name,
+        "backend": name,
         "run_id": cluster.run_id,
         "events": evs,
         "ok": ok,
@@ -516,16 +366,17 @@ def report(
 
     summary = summarize(results, backends)
     return {
+        **provenance(REPO),
         "torch": torch.__version__,
         "scenario": {
-            "nodes": "n1+n2 train; n3 joins (->3); n2 SIGTERM (->2); n3 kill -9 (->1)",
+            "nodes": SCENARIO,
             "worker": "elastic.training.worker configs/tiny.yaml",
             "min_step_s": MIN_STEP_S,
             "checkpoint_interval": CKPT_INTERVAL,
             "steps_between_events": STEPS_BETWEEN,
             "launcher_flags": "--nnodes=1:3 --nproc-per-node=1 --max-restarts=10 "
             "--monitor-interval=0.3",
-            "rdzv_conf": {b: LAUNCHERS[b].rdzv_conf or "torch defaults" for b in backends},
+            "rdzv_conf": {b: LAUNCHERS[b].conf() or "torch defaults" for b in backends},
             "c10d_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
             "c10d_kill_target": "a non-host node (the store host's kill: first_node_kill)",
             "repeats": repeats,
@@ -556,7 +407,10 @@ def merged(paths: list[Path]) -> dict[str, Any]:
     load = [x for old in olds for x in old["scenario"].get("loadavg_1min_start_end", [])]
     host = [h for old in olds for h in old.get("first_node_kill", old.get("c10d_host_kill", []))]
     out = report(results, host, backends, sum(old["scenario"]["repeats"] for old in olds), load)
-    out["merged_from"] = [str(p) for p in paths]
+    out["merged_from"] = [
+        {"path": str(p), "commit": old.get("commit"), "utc": old.get("utc")}
+        for p, old in zip(paths, olds, strict=True)
+    ]
     return out
 
 
@@ -567,11 +421,9 @@ def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
     load = [os.getloadavg()[0]]
     try:
         for _ in range(args.repeats):
-            results += [scenario_result(LAUNCHERS[b], base, args) for b in backends]
+            results += [scenario_result(b, base, args) for b in backends]
         for name in [] if args.no_host_kill else ["c10d-tuned", "ours"]:
-            found, cluster, _, error = run_one(
-                LAUNCHERS[name], base, args.event_timeout, args.keep, host_kill
-            )
+            found, cluster, _, error = run_one(name, base, args.event_timeout, args.keep, host_kill)
             found = found or {"recovered": False, "error": error, "run_id": cluster.run_id}
             host.append({"backend": name, **found})
     finally:
