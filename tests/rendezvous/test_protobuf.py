@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import textwrap
 from pathlib import Path
 
 from elastic.etcd.server import EtcdServer
-from tests.helpers import PYTHON, REPO, Node, node_env, wait_until
+from tests.helpers import PYTHON, REPO
 
 PROTOBUF_IMPL = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
@@ -56,7 +57,9 @@ USER_SCRIPT = textwrap.dedent(
 
 
 def _clean_env() -> dict[str, str]:
-    environ = node_env()
+    """This process's environment without the override, with the repo importable."""
+    environ = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
     environ.pop(PROTOBUF_IMPL, None)
     return environ
 
@@ -101,16 +104,16 @@ def test_user_script_under_the_agent_does_not_inherit_the_protobuf_override(
         str(script),
         str(out),
     ]
-    node = Node("agent", argv, tmp_path, _clean_env())
+    log = tmp_path / "agent.log"
+    with open(log, "wb") as sink:
+        agent = subprocess.Popen(
+            argv, stdout=sink, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True
+        )
     try:
-        code = wait_until(
-            lambda: node.proc.poll() is not None and (node.proc.returncode,),
-            120,
-            "the agent to run the user script and exit",
-        )[0]
-        assert code == 0, node.output()
+        code = agent.wait(120)
     finally:
-        node.kill()
-        node.wait(30)
-
-    assert json.loads(out.read_text()) == {"impl": None}, node.output()
+        if agent.poll() is None:  # timed out: end the agent's session (it and its worker)
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(30)
+    assert code == 0, log.read_text(errors="replace")
+    assert json.loads(out.read_text()) == {"impl": None}, log.read_text(errors="replace")
