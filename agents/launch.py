@@ -76,6 +76,7 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
     ``section.key=value`` arguments. ``flags`` are the options that take no value.
     """
     out: list[str] = []
+    tail: list[str] = []  # from the first positional argument on
     config: str | None = None
     i = 0
     while i < len(argv):
@@ -88,16 +89,18 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
             i += 1 if eq else 2
             continue
         elif not arg.startswith("-") or arg in ("-m", "--module"):
-            out.extend(argv[i:])
+            tail = argv[i:]
             break
         takes_value = not eq and name not in flags and i + 1 < len(argv)
         out.extend([arg, argv[i + 1]] if takes_value else [arg])
         i += 2 if takes_value else 1
-    if config is not None:
-        rest = [a for a in argv if "=" in a and not a.startswith("-")]
-        out = [a for a in out if a not in rest]
-        out += ["-m", "elastic.training.worker", "--config", config, *rest]
-    return out
+    if config is None:
+        return out + tail
+    # only positional section.key=value arguments are the worker's (an option's value,
+    # such as --rdzv-conf k=v, stays the agent's)
+    rest = [a for a in tail if "=" in a and not a.startswith("-")]
+    others = [a for a in tail if a not in rest]
+    return [*out, *others, "-m", "elastic.training.worker", "--config", config, *rest]
 
 
 def _start_warm_server_early(argv: list[str]) -> None:

@@ -172,6 +172,18 @@ def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
             ],
         ),
         (
+            ["--config", "c.yaml", "--rdzv-conf", "join_timeout=9", "a.b=1"],
+            [
+                "--rdzv-conf",
+                "join_timeout=9",
+                "-m",
+                "elastic.training.worker",
+                "--config",
+                "c.yaml",
+                "a.b=1",
+            ],
+        ),
+        (
             ["--etcd=h:1", "-m", "elastic.training.worker", "--config", "x", "a.b=1"],
             ["--rdzv-endpoint=h:1", "-m", "elastic.training.worker", "--config", "x", "a.b=1"],
         ),
