@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 from typing import Any
 
@@ -166,6 +167,18 @@ class _ReformIsNotAFailure(logging.Filter):
         return True
 
 
+class _RedactPasswords(logging.Filter):
+    """torch's launcher logs the rendezvous options at INFO: never a password among them."""
+
+    _PATTERN = re.compile(r"""(password['"]?\s*[:=]\s*['"]?)[^'",\s}]+""")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "password" in message:
+            record.msg, record.args = self._PATTERN.sub(r"\1***", message), None
+        return True
+
+
 def install() -> None:
     """Make torch's launcher build :class:`NodeAgent` (``launch_agent`` looks the name up)."""
     from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -173,6 +186,7 @@ def install() -> None:
 
     launcher_api.LocalElasticAgent = NodeAgent  # type: ignore[misc]
     mp_api.logger.addFilter(_ReformIsNotAFailure())
+    launcher_api.logger.addFilter(_RedactPasswords())
 
 
 __all__ = ["LOST_PEER_GRACE_S", "NodeAgent", "install"]

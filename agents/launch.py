@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node's agent until its workers finish; return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from elastic.credentials import take_password_from_env
+
+    take_password_from_env()  # before any child (the fork server first) copies the environment
     _start_warm_server_early(argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

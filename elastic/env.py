@@ -24,3 +24,4 @@ FORK_SERVER_PID = "ELASTIC_FORK_SERVER_PID"  # set by the warm-start fork server
 WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (see agents.warm)
 FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fencing)
 SECRET_FILE = "ELASTIC_SECRET_FILE"  # per-job secret that signs checkpoint commit markers
+ETCD_PASSWORD = "ELASTIC_ETCD_PASSWORD"  # etcd password; the agent removes it from its env

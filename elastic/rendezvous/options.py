@@ -9,7 +9,11 @@ profile             a named set of defaults; ``fast-failover`` (see
 protocol            ``http`` (default) or ``https``
 cacert              CA bundle (PEM) that signed the etcd server certificates
 cert, key           client certificate and key (PEM) for mutual TLS
-user, password      etcd user and password (etcd's auth enabled)
+user                etcd user (etcd's auth enabled); its password from
+                    ``password_file`` (a file), else ``$ELASTIC_ETCD_PASSWORD``
+                    (taken out of the environment as the agent starts, so no
+                    child inherits it). ``password=...`` works but shows in
+                    ``ps``: a warning says so.
 prefix              key prefix, default ``/elastic``; state at prefix/run_id/
 ttl                 seconds an abandoned run's keys live; default 7200
 connect_timeout     seconds to reach etcd the first time; default 5
@@ -27,16 +31,22 @@ other backends) are accepted and ignored; anything else is refused with a senten
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from elastic import env
+from elastic.credentials import password_from_env
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
     from elastic.etcd.client import EtcdOptions
+
+logger = logging.getLogger(__name__)
 
 FAST_FAILOVER = "fast-failover"
 # The tuned settings: a crash is noticed within 3 s of missed heartbeats (sooner through
@@ -130,14 +140,31 @@ class RendezvousOptions:
             )
         merged = {**PROFILES.get(profile, {}), **conf}
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(merged) - set(known))
+        unknown = sorted(set(merged) - set(known) - {"password_file"})
         if unknown:
             raise ConfigError(
                 f"Unknown rendezvous option(s) {', '.join(unknown)}; see "
                 "'elastic-agent --help' and the README for the options."
             )
+        password_file = merged.pop("password_file", None)
         values = {name: _convert(name, known[name].type, raw) for name, raw in merged.items()}
-        return cls(**values)
+        if values.get("password"):
+            logger.warning(
+                "The etcd password given as password=... shows in 'ps' and in "
+                "torch's logs; use password_file=FILE or $%s.",
+                env.ETCD_PASSWORD,
+            )
+        elif password_file:
+            values["password"] = _read_password(str(password_file))
+        elif values.get("user") and password_from_env():
+            values["password"] = password_from_env()
+        options = cls(**values)
+        if options.password and options.protocol != "https":
+            logger.warning(
+                "The etcd password travels unencrypted (plain http); use "
+                "protocol=https with cacert= for TLS."
+            )
+        return options
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> RendezvousOptions:
@@ -174,6 +201,21 @@ class RendezvousOptions:
                 )
             )
         )
+
+
+def _read_password(path: str) -> str:
+    from elastic.errors import ConfigError
+
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"Cannot read the etcd password file {path} ({exc.strerror}); "
+            "fix password_file= in --rdzv-conf."
+        ) from exc
+    if not password:
+        raise ConfigError(f"The etcd password file {path} is empty; write the password in it.")
+    return password
 
 
 def _convert(name: str, kind: Any, raw: Any) -> Any:

@@ -15,7 +15,7 @@ from elastic.errors import EtcdConnectionError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer, find_etcd
 from elastic.rendezvous.registry import create_backend
-from tests.helpers import wait_until
+from tests.helpers import PYTHON, REPO, node_env, wait_until
 from tests.rendezvous.tls import Certs, make_certs
 
 PASSWORD = "s3cret-pw"
@@ -148,3 +148,55 @@ def test_rendezvous_backend_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: s
     assert ok and backend.get_state() == (b"state", token)
     store.set("k", "v")
     assert store.get("k") == b"v"
+
+
+ENV_DUMP = """
+import json, os, sys
+open(sys.argv[1], "w").write(json.dumps(dict(os.environ)))
+"""
+
+
+def test_the_password_reaches_no_worker_environment_and_no_log(
+    secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
+) -> None:
+    script, dump = tmp_path / "dump_env.py", tmp_path / "env.json"
+    script.write_text(ENV_DUMP)
+    certs = secure_etcd.certs
+    conf = (
+        f"profile=fast-failover,join_timeout=60,user=root,cacert={certs.ca},"
+        f"cert={certs.client_cert},key={certs.client_key}"
+    )
+    result = subprocess.run(
+        [PYTHON, "-m", "agents.launch", "--nnodes=1", "--nproc-per-node=1",
+         f"--rdzv-endpoint=https://{secure_etcd.server.endpoint}", f"--rdzv-id={run_id}",
+         f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", str(script), str(dump)],
+        env=node_env(ELASTIC_ETCD_PASSWORD=PASSWORD, LOGLEVEL="INFO"),
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    worker_env = dump.read_text()
+    assert "ELASTIC_ETCD_PASSWORD" not in worker_env
+    assert PASSWORD not in worker_env, "the password reached the worker's environment"
+    assert PASSWORD not in result.stdout + result.stderr, "the password reached a log"
+
+
+def test_a_password_on_the_command_line_is_redacted_from_torchs_log(
+    secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
+) -> None:
+    script, dump = tmp_path / "dump_env.py", tmp_path / "env.json"
+    script.write_text(ENV_DUMP)
+    certs = secure_etcd.certs
+    conf = (
+        f"profile=fast-failover,join_timeout=60,user=root,password={PASSWORD},"
+        f"cacert={certs.ca},cert={certs.client_cert},key={certs.client_key}"
+    )
+    result = subprocess.run(
+        [PYTHON, "-m", "agents.launch", "--nnodes=1", "--nproc-per-node=1",
+         f"--rdzv-endpoint=https://{secure_etcd.server.endpoint}", f"--rdzv-id={run_id}",
+         f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", str(script), str(dump)],
+        env=node_env(LOGLEVEL="INFO"), capture_output=True, text=True, timeout=180, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "shows in 'ps'" in result.stderr
+    assert PASSWORD not in result.stdout + result.stderr, "the password reached a log"
+    assert PASSWORD not in dump.read_text(), "the password reached the worker's environment"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -142,3 +145,22 @@ def test_run_keys() -> None:
     for bad_prefix, bad_run in (("/p", ""), ("/p", "a/b"), ("p", "job")):
         with pytest.raises(ConfigError):
             RunKeys(bad_prefix, bad_run)
+
+
+def test_the_password_comes_from_a_file_or_the_environment_never_stays_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastic import credentials
+
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    assert RendezvousOptions.parse({"user": "u", "password_file": str(secret)}).password == (
+        "from-file"
+    )
+    with pytest.raises(ConfigError, match="Cannot read the etcd password file"):
+        RendezvousOptions.parse({"user": "u", "password_file": str(tmp_path / "none")})
+    monkeypatch.setenv("ELASTIC_ETCD_PASSWORD", "from-env")
+    monkeypatch.setattr(credentials, "_env_password", None)
+    credentials.take_password_from_env()
+    assert "ELASTIC_ETCD_PASSWORD" not in os.environ, "children would inherit it"
+    assert RendezvousOptions.parse({"user": "u"}).password == "from-env"
