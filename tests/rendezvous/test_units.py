@@ -50,7 +50,7 @@ def test_prefix_end() -> None:
 def test_state_round_trip_and_corruption() -> None:
     blob = encode_state(b"payload")
     assert decode_state(blob, b"/k") == b"payload"
-    for bad in (b"", b"garbage", blob[:-1] + b"X", b"EV3\x02" + blob[4:]):
+    for bad in (b"", b"garbage", blob[:-1] + b"X", b"EV3\x09" + blob[4:]):  # \x02: signed
         with pytest.raises(
             EtcdStateError, match=r"^The rendezvous state at etcd key '/k' is corrupt"
         ):
