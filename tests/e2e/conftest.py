@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,10 +17,11 @@ from typing import Any, TypeVar
 
 import pytest
 
+from elastic.etcd.server import free_port
 from elastic.events import read as read_events
+from tests.helpers import REPO
 from tests.helpers import wait_until as _wait_until
 
-REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
@@ -73,12 +73,6 @@ def images() -> dict[str, str]:
     for key in ("ELASTIC_BASE_IMAGE", "ELASTIC_ETCD_IMAGE", "ELASTIC_AGENT_IMAGE"):
         assert names.get(key), f"docker/build-base.sh printed no {key}:\n{built.stdout}"
     return names
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

@@ -18,7 +18,9 @@ import pytest
 
 from elastic.checkpoint import find_latest_complete
 from elastic.checkpoint.layout import inspect_step
-from tests.e2e.conftest import REPO, Cluster, free_port, run, wait_until
+from elastic.etcd.server import free_port
+from tests.e2e.conftest import Cluster, run, wait_until
+from tests.helpers import REPO
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
 

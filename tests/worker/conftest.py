@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from elastic.etcd.server import free_port
+from tests.helpers import REPO
+
 WORKER_TIMEOUT_S = 240
 
 # A tiny but complete setup: BatchNorm CNN, 16x16 synthetic images, 6 micro-batches per step.
@@ -55,12 +56,6 @@ class WorkerRun:
     returncode: int
     output: str
     events: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -119,7 +114,7 @@ def launch(
 @pytest.fixture(scope="session")
 def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real S3 HTTP endpoint (moto server in a subprocess); yields its URL."""
-    port = _free_port()
+    port = free_port()
     log = (tmp_path_factory.mktemp("moto") / "moto.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

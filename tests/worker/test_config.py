@@ -11,8 +11,7 @@ import pytest
 
 from elastic.errors import ConfigError
 from elastic.training.config import Config, load_config
-
-from .conftest import REPO
+from tests.helpers import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from elastic import events, reform
 from elastic.checkpoint import find_latest_complete
+from tests.helpers import REPO
 
-from .conftest import REPO, WORKER_TIMEOUT_S
+from .conftest import WORKER_TIMEOUT_S
 
 
 def _wait_for_step(log: Path, rank: int, step: int, proc: subprocess.Popen[str]) -> int:
