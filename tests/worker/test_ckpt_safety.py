@@ -403,7 +403,7 @@ def _forge_step(run_dir: Path, source: Path, step: int, target: Path, attempt: b
     """Copy a committed step's files, swap in a malicious .metadata, recompute the CRCs."""
     step_dir = run_dir / f"step-{step}"
     data_dir = step_dir / "save-00000000deadbeef" if attempt else step_dir
-    shutil.copytree(source, data_dir)
+    shutil.copytree(source, data_dir, ignore=shutil.ignore_patterns(COMMIT_MARKER))
     (data_dir / ".metadata").write_bytes(pickle.dumps(_Payload(target)))
     files = {
         p.name: {"size": p.stat().st_size, "crc32": f"{zlib.crc32(p.read_bytes()):08x}"}
@@ -424,12 +424,14 @@ def test_a_forged_metadata_is_refused_before_it_is_unpickled(
     monkeypatch.setenv("ELASTIC_SECRET_FILE", str(secret_file))
     _commit(_manager(url), 1)
     run_dir = tmp_path / "ckpt" / RUN
-    source = next(p for p in (run_dir / "step-1").iterdir() if p.is_dir())
+    source = next((run_dir / "step-1").rglob(".metadata")).parent
     target = tmp_path / "pwned"
     _forge_step(run_dir, source, 2, target, attempt)
-    step, _ = _load(_manager(url))
-    assert step == 1
-    assert not target.exists(), "the forged .metadata was unpickled"
+    try:
+        loaded = _load(_manager(url))
+    finally:
+        assert not target.exists(), "the forged .metadata was unpickled"
+    assert loaded[0] == 1
 
 
 def test_without_a_secret_there_is_one_warning(
