@@ -30,9 +30,19 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import grpc
-from etcd3 import etcdrpc
 
 from elastic.errors import ConfigError, EtcdConnectionError
+
+try:
+    from etcd3 import etcdrpc
+except TypeError as exc:  # "Descriptors cannot be created directly."
+    # Both the old ``etcd3`` 0.12 distribution and ``python3-etcd3`` install the ``etcd3``
+    # package; after an upgrade in place the old stubs may still sit there.
+    raise ImportError(
+        "The installed 'etcd3' package holds stubs from the old etcd3 0.12 distribution, which "
+        "current protobuf cannot load; run 'pip uninstall -y etcd3 python3-etcd3' and then "
+        "'pip install \"python3-etcd3>=0.13.0,<0.14\"'."
+    ) from exc
 
 logger = logging.getLogger(__name__)
 

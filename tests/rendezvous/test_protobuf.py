@@ -117,3 +117,28 @@ def test_user_script_under_the_agent_does_not_inherit_the_protobuf_override(
             agent.wait(30)
     assert code == 0, log.read_text(errors="replace")
     assert json.loads(out.read_text()) == {"impl": None}, log.read_text(errors="replace")
+
+
+def test_old_etcd3_stubs_left_by_an_upgrade_fail_with_a_sentence_saying_what_to_do(
+    tmp_path: Path,
+) -> None:
+    # What etcd3 0.12's generated code raises under upb, imported in place of python3-etcd3's.
+    package = tmp_path / "etcd3"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "etcdrpc.py").write_text(
+        'raise TypeError("Descriptors cannot be created directly.")'
+    )
+    environ = _clean_env()
+    environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path), environ["PYTHONPATH"]])
+    result = subprocess.run(
+        [PYTHON, "-c", "import elastic.etcd.client"],
+        env=environ,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "ImportError: The installed 'etcd3' package holds stubs from the old" in result.stderr
+    assert "pip uninstall -y etcd3 python3-etcd3" in result.stderr
