@@ -1,4 +1,4 @@
-"""The ``elastic`` command: ``elastic demo`` and ``elastic status``."""
+"""The ``elastic`` command: ``elastic demo``, ``status``, ``timeline`` and ``dashboard``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,40 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic import reform
-from elastic.errors import ConfigError, ElasticError
+from elastic.errors import ConfigError, ElasticError, EtcdConnectionError
+
+if TYPE_CHECKING:
+    from elastic.etcd.client import EtcdOptions
+
+logger = logging.getLogger(__name__)
+WATCH_S = 2.0  # --watch without a value: seconds between reports
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (a terminal only)
+
+
+def _add_etcd_flags(parser: argparse.ArgumentParser) -> None:
+    """The agent's ways to reach and log into etcd (the password never on the command line)."""
+    from elastic.tools.status import PASSWORD_ENV
+
+    parser.add_argument(
+        "--etcd",
+        "--rdzv-endpoint",
+        dest="etcd",
+        required=True,
+        help="host:port[,host:port...] of etcd (https://host:port for TLS)",
+    )
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--prefix", default="/elastic")
+    parser.add_argument("--cacert", help="CA bundle (PEM) that signed the etcd server certificates")
+    parser.add_argument("--cert", help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--key", help="the client certificate's private key (PEM)")
+    parser.add_argument("--user", help="etcd user (etcd's auth enabled)")
+    parser.add_argument(
+        "--password-file",
+        help=f"file whose first line is the etcd password (default: ${PASSWORD_ENV})",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,33 +51,124 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-id", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     demo.add_argument("--runs-dir", type=Path, default=Path("runs"))
     demo.add_argument("--config", type=Path, default=None, help="default: the shipped default.yaml")
+
     status = sub.add_parser("status", help="a run's rendezvous and newest checkpoint")
-    status.add_argument(
-        "--etcd",
-        "--rdzv-endpoint",
-        dest="etcd",
-        required=True,
-        help="host:port[,host:port...] of etcd",
-    )
-    status.add_argument("--run-id", required=True)
-    status.add_argument("--prefix", default="/elastic")
+    _add_etcd_flags(status)
     status.add_argument("--checkpoint-url", help="where the run writes checkpoints")
+    status.add_argument(
+        "--verify",
+        choices=("size", "crc"),
+        default="size",
+        help="checkpoint check: 'size' lists the files (default, cheap on object storage); "
+        "'crc' reads every byte",
+    )
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=WATCH_S,
+        default=None,
+        metavar="SECONDS",
+        help=f"report again every SECONDS (default {WATCH_S:g}) until Ctrl-C",
+    )
+
+    timeline = sub.add_parser("timeline", help="draw a run's world size, loss and samples/s")
+    timeline.add_argument("source", type=Path, help="a run directory or its events.jsonl")
+    timeline.add_argument("-o", "--output", type=Path, default=Path("timeline.png"))
+    timeline.add_argument("--title", help="default: the run directory's name")
+
+    dash = sub.add_parser("dashboard", help="a read-only web page of a running job")
+    _add_etcd_flags(dash)
+    logs = dash.add_mutually_exclusive_group()
+    logs.add_argument("--runs-dir", type=Path, help="the event log is RUNS_DIR/RUN_ID/events.jsonl")
+    logs.add_argument("--event-log", type=Path, help="the run's event log (JSON lines)")
+    dash.add_argument("--checkpoint-url", help="where the run writes checkpoints")
+    dash.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    dash.add_argument("--port", type=int, default=8080, help="0: any free port")
     return parser
 
 
+def _options(args: argparse.Namespace, request_timeout: float | None = None) -> EtcdOptions:
+    from elastic.tools.status import etcd_options
+
+    return etcd_options(
+        args.etcd,
+        cacert=args.cacert,
+        cert=args.cert,
+        key=args.key,
+        user=args.user,
+        password_file=args.password_file,
+        request_timeout=request_timeout,
+    )
+
+
 def _status(args: argparse.Namespace) -> int:
-    from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
+    from elastic.etcd.client import EtcdClient
     from elastic.rendezvous.keys import RunKeys
     from elastic.rendezvous.registry import state_secret
     from elastic.tools.status import checkpoint_status, format_table, rendezvous_status, status_json
 
-    endpoints, https = parse_endpoints(args.etcd)
-    with EtcdClient(EtcdOptions(endpoints, tls=https)) as client:
-        rdzv = rendezvous_status(client, RunKeys(args.prefix, args.run_id), state_secret())
-    ckpt = checkpoint_status(args.checkpoint_url, args.run_id)
+    if args.watch is not None and args.watch <= 0:
+        raise ConfigError(f"--watch {args.watch:g} is not a positive number of seconds.")
+    options = _options(args)
+    secret = state_secret()
     out = status_json if args.json else format_table
-    print(out(args.run_id, rdzv, ckpt))
+    clear = CLEAR if args.watch is not None and sys.stdout.isatty() and not args.json else ""
+
+    def report(client: EtcdClient) -> str:
+        rdzv = rendezvous_status(client, RunKeys(args.prefix, args.run_id), secret)
+        ckpt = checkpoint_status(args.checkpoint_url, args.run_id, args.verify, secret)
+        return out(args.run_id, rdzv, ckpt)
+
+    with EtcdClient(options) as client:
+        if args.watch is None:
+            print(report(client))
+            return 0
+        try:
+            while True:
+                try:
+                    text = report(client)
+                except EtcdConnectionError as exc:  # an outage: say so, keep watching
+                    text = f"elastic: {exc}"
+                stamp = time.strftime("%H:%M:%S")
+                print(f"{clear}{text}\n(every {args.watch:g} s, {stamp}; Ctrl-C stops)", flush=True)
+                time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from elastic.tools.timeline import render_timeline
+
+    out = render_timeline(args.source, args.output, args.title)
+    print(f"timeline: {out}")
+    return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from elastic.rendezvous.registry import state_secret
+    from elastic.tools.dashboard import Dashboard, serve
+
+    event_log = args.event_log
+    if args.runs_dir is not None:
+        event_log = args.runs_dir / args.run_id / "events.jsonl"
+    dashboard = Dashboard(
+        _options(args, request_timeout=5.0),
+        args.run_id,
+        prefix=args.prefix,
+        event_log=event_log,
+        checkpoint_url=args.checkpoint_url,
+        secret=state_secret(),
+    )
+    server = serve(dashboard, args.host, args.port)
+    print(f"dashboard of run {args.run_id}: {server.url} (Ctrl-C stops)", flush=True)
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
     return 0
 
 
@@ -60,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from elastic.tools.demo import run_demo
 
             return run_demo(args.runs_dir, args.run_id, args.config or config_path("default"))
+        if args.command == "timeline":
+            return _timeline(args)
+        if args.command == "dashboard":
+            return _dashboard(args)
         return _status(args)
     except ConfigError as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)

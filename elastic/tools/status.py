@@ -1,17 +1,34 @@
-"""``elastic status``: a run's rendezvous (from etcd) and its newest complete checkpoint."""
+"""``elastic status``: a run's rendezvous (from etcd) and its newest complete checkpoint.
+
+Also the pieces ``elastic dashboard`` shares: :func:`etcd_options` (the agent's TLS and
+login options, the password from a file or ``$ELASTIC_ETCD_PASSWORD``, never from the
+command line) and :func:`rendezvous_status`.
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from elastic.errors import EtcdStateError
-from elastic.etcd.client import EtcdClient
+from elastic.errors import ConfigError, EtcdStateError
+from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.rendezvous.backend import decode_state
 from elastic.rendezvous.keys import RunKeys
+
+if TYPE_CHECKING:
+    from elastic.checkpoint.layout import Verify
+
+# The etcd password when no --password-file is given (a flag would show it in `ps`).
+PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
+# How much of each checkpoint file the check reads: "size" lists it (cheap on object
+# storage), "crc" reads every byte (the CRC-32 of each file; slow for remote storage).
+CheckpointVerify = Literal["size", "crc"]
+_LAYOUT_VERIFY: dict[str, Verify] = {"size": "size", "crc": "full"}
 
 # The only globals torch's rendezvous state pickles; anything else is refused unread.
 _ALLOWED = {
@@ -31,6 +48,63 @@ class _StateUnpickler(pickle.Unpickler):
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of a rendezvous state")
         return super().find_class(module, name)
+
+
+def read_password(password_file: str | os.PathLike[str] | None) -> str | None:
+    """The etcd password: the first line of ``password_file``, else ``$ELASTIC_ETCD_PASSWORD``
+    (None when neither is there)."""
+    if password_file:
+        try:
+            text = Path(password_file).read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"Cannot read the etcd password file {password_file} "
+                f"({exc.strerror or exc}); check the path and its permissions."
+            ) from exc
+        lines = text.splitlines()
+        if not lines or not lines[0]:
+            raise ConfigError(
+                f"The etcd password file {password_file} is empty; write the password on its "
+                "first line."
+            )
+        return lines[0]
+    return os.environ.get(PASSWORD_ENV) or None
+
+
+def etcd_options(
+    endpoints: str,
+    *,
+    cacert: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    user: str | None = None,
+    password_file: str | os.PathLike[str] | None = None,
+    request_timeout: float | None = None,
+) -> EtcdOptions:
+    """How to reach etcd, with the agent's TLS (``cacert``, ``cert``, ``key``) and login
+    (``user`` with the password of :func:`read_password`) options."""
+    parsed, https = parse_endpoints(endpoints)
+    password = read_password(password_file) if user or password_file else None
+    if user and not password:
+        raise ConfigError(
+            f"The etcd user '{user}' needs a password: pass --password-file FILE or set "
+            f"${PASSWORD_ENV}."
+        )
+    if password and not user:
+        raise ConfigError("An etcd password was given without a user; pass --user NAME too.")
+    extra: dict[str, Any] = {}
+    if request_timeout is not None:
+        extra["request_timeout"] = request_timeout
+    return EtcdOptions(
+        parsed,
+        tls=https,
+        ca_cert=cacert,
+        cert=cert,
+        key=key,
+        user=user,
+        password=password,
+        **extra,
+    )
 
 
 def load_state(payload: bytes) -> Any:
@@ -83,14 +157,29 @@ def rendezvous_status(
     }
 
 
-def checkpoint_status(url: str | None, run_id: str) -> dict[str, Any] | None:
-    """The newest complete checkpoint step under ``url`` (None when no URL is given)."""
+def checkpoint_status(
+    url: str | None,
+    run_id: str,
+    verify: CheckpointVerify = "size",
+    secret: bytes | None = None,
+) -> dict[str, Any] | None:
+    """The newest complete checkpoint step under ``url`` (None when no URL is given).
+
+    ``verify="size"`` (the default) checks that every file the commit marker lists exists
+    with its recorded size: a listing, cheap on object storage. ``"crc"`` also reads every
+    byte to compare CRC-32s. ``secret`` (the job's) makes unsigned or foreign markers count
+    as incomplete, as the workers' resume does.
+    """
     if not url:
         return None
+    if verify not in _LAYOUT_VERIFY:
+        raise ConfigError(f"The checkpoint check '{verify}' is not one of size, crc.")
     from elastic.checkpoint import find_latest_complete
 
-    info = find_latest_complete(url, run_id, warn=False)
-    return {"url": url, "newest_complete_step": info.step if info else None}
+    info = find_latest_complete(
+        url, run_id, verify=_LAYOUT_VERIFY[verify], warn=False, secret=secret
+    )
+    return {"url": url, "verify": verify, "newest_complete_step": info.step if info else None}
 
 
 def format_table(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None) -> str:
@@ -109,7 +198,8 @@ def format_table(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None)
             lines.append(f"  {m['node']:<28} {m['state']:<10} {age:>10}")
     if ckpt is not None:
         step = ckpt["newest_complete_step"]
-        lines.append(f"  newest complete checkpoint: {'none' if step is None else f'step {step}'}")
+        found = "none" if step is None else f"step {step}"
+        lines.append(f"  newest complete checkpoint: {found} ({ckpt.get('verify', 'size')} check)")
     return "\n".join(lines)
 
 
@@ -118,9 +208,13 @@ def status_json(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None) 
 
 
 __all__ = [
+    "PASSWORD_ENV",
+    "CheckpointVerify",
     "checkpoint_status",
+    "etcd_options",
     "format_table",
     "load_state",
+    "read_password",
     "rendezvous_status",
     "status_json",
 ]

@@ -1,0 +1,389 @@
+"""``elastic dashboard``: a small read-only web page of a running job.
+
+The standard library's ``http.server`` in a thread, no framework. Three paths:
+
+* ``/``: the page; its vanilla JavaScript polls ``/api/status`` every second and reloads
+  the timeline image every few seconds;
+* ``/api/status``: JSON: the rendezvous (members, round, world size; from etcd through
+  :func:`elastic.tools.status.rendezvous_status`), the newest step (step, loss, samples/s),
+  the newest checkpoint (saved, from the event log; complete, from storage when a
+  checkpoint URL is given) and how many events were read;
+* ``/timeline.png``: :func:`elastic.tools.timeline.render_png` of the event log, drawn
+  again at most every :data:`TIMELINE_EVERY_S` seconds.
+
+Nothing on the page writes anywhere: etcd is only read, and the event log only tailed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from elastic.errors import ElasticError
+from elastic.etcd.client import EtcdClient, EtcdOptions
+from elastic.rendezvous.keys import RunKeys
+from elastic.tools.status import checkpoint_status, rendezvous_status
+
+logger = logging.getLogger(__name__)
+
+TIMELINE_EVERY_S = 3.0  # the timeline PNG is drawn again at most this often
+CHECKPOINT_EVERY_S = 10.0  # storage is listed for the newest complete checkpoint this often
+STATUS_EVERY_S = 0.5  # requests closer together share one etcd read
+
+
+class EventTail:
+    """The events of a JSON-lines log, read incrementally (only what was appended since the
+    last call; a torn last line waits for its end; a truncated file is read again)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.events: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+        self._lock = threading.Lock()
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Read what is new; return every event so far (a copy)."""
+        with self._lock:
+            if self.path is not None:
+                self._read()
+            return list(self.events)
+
+    def _read(self) -> None:
+        assert self.path is not None
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return
+        if size < self._offset:  # rewritten from scratch
+            self.events, self._offset, self._partial = [], 0, b""
+        if size == self._offset:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self.events.append(event)
+
+
+def _latest(events: list[dict[str, Any]], kind: str, ok: Callable[[dict[str, Any]], bool]) -> Any:
+    return next((e for e in reversed(events) if e.get("kind") == kind and ok(e)), None)
+
+
+class Dashboard:
+    """What the page shows, gathered on demand and cached briefly.
+
+    Args:
+        options: how to reach etcd (:func:`elastic.tools.status.etcd_options`).
+        run_id: the rendezvous id.
+        prefix: the rendezvous key prefix.
+        event_log: the run's event log (None: etcd only, no steps nor timeline).
+        checkpoint_url: where the run writes checkpoints (None: the event log's saves only).
+        secret: the job's secret (authenticates the rendezvous state and commit markers).
+    """
+
+    def __init__(
+        self,
+        options: EtcdOptions,
+        run_id: str,
+        *,
+        prefix: str = "/elastic",
+        event_log: Path | None = None,
+        checkpoint_url: str | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.keys = RunKeys(prefix, run_id)
+        self.client = EtcdClient(options)
+        self.tail = EventTail(event_log)
+        self.checkpoint_url = checkpoint_url
+        self.secret = secret
+        self._lock = threading.Lock()
+        self._status: tuple[float, dict[str, Any]] | None = None
+        self._checkpoint: tuple[float, dict[str, Any] | None] | None = None
+        self._timeline: tuple[float, int, bytes] | None = None
+        self._timeline_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def status(self) -> dict[str, Any]:
+        """The JSON of ``/api/status`` (etcd read at most every :data:`STATUS_EVERY_S`)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._status is None or now - self._status[0] >= STATUS_EVERY_S:
+                self._status = (now, self._gather())
+            return self._status[1]
+
+    def _gather(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"run_id": self.run_id, "time": time.time(), "errors": []}
+        try:
+            out["rendezvous"] = rendezvous_status(self.client, self.keys, self.secret)
+        except ElasticError as exc:
+            out["rendezvous"] = None
+            out["errors"].append(str(exc))
+        events = self.tail.poll()
+        out["events"] = len(events)
+        out["event_log"] = str(self.tail.path) if self.tail.path else None
+        step = _latest(events, "train.step", lambda e: True)
+        out["step"] = (
+            {k: step.get(k) for k in ("step", "loss", "samples_per_s", "world_size", "ts")}
+            if step
+            else None
+        )
+        saved = _latest(events, "ckpt.save", lambda e: bool(e.get("ok")))
+        out["checkpoint"] = {
+            "saved_step": saved.get("step") if saved else None,
+            "saved_url": saved.get("url") if saved else None,
+            "saved_ts": saved.get("ts") if saved else None,
+        }
+        try:
+            out["checkpoint"].update(self._complete_checkpoint() or {})
+        except (ElasticError, OSError) as exc:
+            out["errors"].append(f"Cannot list the checkpoints at {self.checkpoint_url}: {exc}")
+        return out
+
+    def _complete_checkpoint(self) -> dict[str, Any] | None:
+        if not self.checkpoint_url:
+            return None
+        now = time.monotonic()
+        if self._checkpoint is None or now - self._checkpoint[0] >= CHECKPOINT_EVERY_S:
+            found = checkpoint_status(self.checkpoint_url, self.run_id, "size", self.secret)
+            self._checkpoint = (now, found)
+        return self._checkpoint[1]
+
+    def timeline_png(self) -> bytes:
+        """The timeline, drawn again when the log grew and :data:`TIMELINE_EVERY_S` passed."""
+        from elastic.tools.timeline import render_png
+
+        with self._timeline_lock:
+            events = self.tail.poll()
+            now = time.monotonic()
+            cached = self._timeline
+            fresh = cached is not None and (
+                cached[1] == len(events) or now - cached[0] < TIMELINE_EVERY_S
+            )
+            if not fresh:
+                png = render_png(events, title=self.run_id)
+                self._timeline = cached = (now, len(events), png)
+            assert cached is not None
+            return cached[2]
+
+
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>elastic: __RUN_ID__</title>
+<style>
+ body { font: 14px system-ui, sans-serif; margin: 1.2em 2em; color: #222; }
+ h1 { font-size: 1.3em; margin: 0 0 .6em; }
+ .cards { display: flex; gap: 1em; flex-wrap: wrap; margin-bottom: 1em; }
+ .card { border: 1px solid #ccc; border-radius: 6px; padding: .5em .9em; min-width: 7em; }
+ .card .label { color: #666; font-size: .85em; }
+ .card .value { font-size: 1.4em; font-variant-numeric: tabular-nums; }
+ table { border-collapse: collapse; margin-bottom: 1em; }
+ th, td { border-bottom: 1px solid #ddd; padding: .25em .9em .25em 0; text-align: left; }
+ #errors { color: #b00; white-space: pre-wrap; }
+ #timeline { max-width: 100%; border: 1px solid #eee; }
+ .muted { color: #888; }
+</style>
+</head>
+<body>
+<h1>run <span id="run-id">__RUN_ID__</span>
+ <span class="muted" id="updated">(connecting...)</span></h1>
+<div id="errors"></div>
+<div class="cards">
+ <div class="card"><div class="label">round</div><div class="value" id="round">-</div></div>
+ <div class="card"><div class="label">world size</div><div class="value" id="world">-</div></div>
+ <div class="card"><div class="label">step</div><div class="value" id="step">-</div></div>
+ <div class="card"><div class="label">loss</div><div class="value" id="loss">-</div></div>
+ <div class="card"><div class="label">samples/s</div><div class="value" id="rate">-</div></div>
+ <div class="card"><div class="label">newest checkpoint</div>
+  <div class="value" id="checkpoint">-</div></div>
+</div>
+<table id="members">
+ <thead><tr><th>node</th><th>address</th><th>pid</th><th>state</th><th>heartbeat</th></tr></thead>
+ <tbody></tbody>
+</table>
+<img id="timeline" alt="timeline of world size, loss and samples/s" src="timeline.png">
+<script>
+"use strict";
+const $ = (id) => document.getElementById(id);
+const fmt = (v, digits) => (v === null || v === undefined) ? "-" :
+  (typeof v === "number" && digits !== undefined ? v.toFixed(digits) : String(v));
+
+function render(s) {
+  const r = s.rendezvous;
+  $("round").textContent = r && r.exists ? fmt(r.round) + (r.complete ? "" : " (forming)") : "-";
+  $("world").textContent = r && r.exists ? fmt(r.world_size) : "-";
+  const st = s.step || {};
+  $("step").textContent = fmt(st.step);
+  $("loss").textContent = fmt(st.loss, 4);
+  $("rate").textContent = fmt(st.samples_per_s, 1);
+  const c = s.checkpoint || {};
+  const step = c.newest_complete_step ?? c.saved_step;
+  $("checkpoint").textContent = step === null || step === undefined ? "none" : "step " + step;
+  const body = $("members").tBodies[0];
+  body.replaceChildren();
+  for (const m of (r && r.members) || []) {
+    const row = body.insertRow();
+    row.className = "member";
+    row.dataset.node = m.node;
+    for (const v of [m.node, m.addr, m.pid, m.state, m.last_heartbeat_s_ago + " s ago"]) {
+      row.insertCell().textContent = String(v);
+    }
+  }
+  if (r && !r.exists) {
+    body.insertRow().insertCell().textContent = "no rendezvous state in etcd";
+  }
+  $("errors").textContent = (s.errors || []).join("\\n");
+  $("updated").textContent = "(updated " + new Date(s.time * 1000).toLocaleTimeString() + ")";
+}
+
+async function poll() {
+  try {
+    const response = await fetch("api/status", {cache: "no-store"});
+    render(await response.json());
+  } catch (err) {
+    $("errors").textContent = "The dashboard server does not answer: " + err;
+  }
+}
+
+let timelineTick = 0;
+function refreshTimeline() {
+  timelineTick += 1;
+  $("timeline").src = "timeline.png?t=" + timelineTick;
+}
+
+poll();
+setInterval(poll, 1000);
+setInterval(refreshTimeline, __TIMELINE_MS__);
+</script>
+</body>
+</html>
+"""
+
+
+def page(run_id: str) -> str:
+    """The HTML of ``/`` (the run id escaped)."""
+    import html
+
+    return PAGE.replace("__RUN_ID__", html.escape(run_id)).replace(
+        "__TIMELINE_MS__", str(int(TIMELINE_EVERY_S * 1000))
+    )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        dashboard = self.server.dashboard
+        try:
+            if path in ("/", "/index.html"):
+                self._send(page(dashboard.run_id).encode(), "text/html; charset=utf-8")
+            elif path == "/api/status":
+                body = json.dumps(dashboard.status(), default=str).encode()
+                self._send(body, "application/json")
+            elif path == "/timeline.png":
+                self._send(dashboard.timeline_png(), "image/png")
+            else:
+                self.send_error(HTTPStatus.NOT_FOUND, "No such page on this dashboard.")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as exc:  # a page must answer; the reason goes to the log and body
+            logger.exception("The dashboard failed to answer %s.", path)
+            self._send(
+                f"The dashboard failed to answer {path}: {exc}".encode(),
+                "text/plain; charset=utf-8",
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+            )
+
+    def _send(self, body: bytes, kind: str, status: HTTPStatus = HTTPStatus.OK) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s - " + format, self.address_string(), *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], dashboard: Dashboard) -> None:
+        self.dashboard = dashboard
+        super().__init__(address, _Handler)
+
+
+@dataclass
+class Served:
+    """A dashboard serving in a thread: its ``url``; :meth:`close` stops it."""
+
+    server: _Server
+    thread: threading.Thread
+    dashboard: Dashboard
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = str(self.server.server_address[0])
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://{shown}:{self.port}/"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+        self.dashboard.close()
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve(dashboard: Dashboard, host: str = "127.0.0.1", port: int = 0) -> Served:
+    """Serve ``dashboard`` on ``host:port`` (0: a free port) in a daemon thread."""
+    try:
+        server = _Server((host, port), dashboard)
+    except OSError as exc:
+        dashboard.close()
+        raise ElasticError(
+            f"Cannot serve the dashboard on {host}:{port} ({exc.strerror or exc}); pick "
+            "another --port (0 for any free one)."
+        ) from exc
+    thread = threading.Thread(
+        target=server.serve_forever, name="elastic-dashboard", kwargs={"poll_interval": 0.2}
+    )
+    thread.daemon = True
+    thread.start()
+    logger.info("Serving the dashboard of run %s on %s:%d.", dashboard.run_id, host, port)
+    return Served(server, thread, dashboard)
+
+
+__all__ = ["Dashboard", "EventTail", "Served", "page", "serve"]
