@@ -41,6 +41,7 @@ SPARE_FACTOR = 3  # a late node that still accepts is kept for this many heartbe
 _RETRY_UNKNOWN_S = 1.0  # a node that did not answer is probed again after this long
 _REMEMBER_ALIVE_S = 0.5  # an accepted probe stands for this long
 _MAX_PROBES = 8  # probes per call at most: a sync must not block on many silent peers
+_ACCEPT_RETRY_S = 0.05  # after a failed accept (out of file descriptors, say)
 
 
 def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool | None:
@@ -63,27 +64,41 @@ class ProbeListener:
     """
 
     def __init__(self) -> None:
+        self._closed = threading.Event()
         self._sock = _bind_everywhere()
         self._sock.listen(64)
+        self._port = int(self._sock.getsockname()[1])
         self._thread = threading.Thread(target=self._serve, name="probe-listener", daemon=True)
         self._thread.start()
 
     @property
     def port(self) -> int:
-        return int(self._sock.getsockname()[1])
+        return self._port
 
     def close(self) -> None:
+        self._closed.set()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept; close alone does not
         with contextlib.suppress(OSError):
             self._sock.close()
 
     def _serve(self) -> None:
-        while True:
+        warned = False
+        while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                # e.g. out of file descriptors: a listener that stopped accepting would
+                # make this live node look hung to its peers; keep serving.
+                if not warned:
+                    logger.warning(
+                        "The probe port %d failed to accept (%s); retrying.", self.port, exc
+                    )
+                    warned = True
+                self._closed.wait(_ACCEPT_RETRY_S)
+                continue
             conn.close()
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 
+import pytest
+
 from elastic.rendezvous.liveness import DeathDetector, ProbeListener, probe
+from tests.helpers import wait_until
 
 
 def test_a_listening_agent_is_alive_and_a_closed_one_refuses() -> None:
@@ -75,3 +79,36 @@ def test_an_unreachable_etcd_makes_answers_unknown_not_an_error() -> None:
         raise RuntimeError("etcd is down")
 
     assert DeathDetector(broken).dead([("n", "127.0.0.1")]) == []
+
+
+class _FailsOnce:
+    """A listening socket whose first accept fails, as when out of file descriptors."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self.failed = sock, False
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self._sock.accept()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def test_the_listener_survives_a_failed_accept(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import elastic.rendezvous.liveness as liveness
+
+    real = liveness._bind_everywhere
+    monkeypatch.setattr(liveness, "_bind_everywhere", lambda: _FailsOnce(real()))
+    listener = ProbeListener()
+    try:
+        wait_until(lambda: "failed to accept" in caplog.text, 5, "the failed accept's warning")
+        for _ in range(3):
+            assert probe("127.0.0.1", listener.port) is True
+        assert listener._thread.is_alive(), "the listener must keep serving"
+    finally:
+        listener.close()
