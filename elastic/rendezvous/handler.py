@@ -74,6 +74,7 @@ _MIN_WAKE_GAP_S = 0.1  # a waiting node re-reads the state at most this often
 # slower than torch's 1 s poll at 128 simulated nodes); fall back to the poll there.
 _MAX_WATCH_CROWD = 16
 _LATE = timedelta(seconds=1)  # a heartbeat older than this (or half the interval) is probed
+_SKEW_WARN_S = 1.0  # a fresh round's heartbeats this far off now: a clock is off
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a heartbeat that has surely expired
 _waiter = threading.local()  # .fn: Callable[[float], None] while this thread joins
 _torch_delay: Callable[[float | tuple[float, float]], None] = dynamic_rendezvous._delay
@@ -247,6 +248,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._joined_round = state.round
         self._peers = set(state.participants)
         self._verify_peers()
+        self._check_clocks()
         if self._ledger is not None:
             # The workers we start next read it (warm ones fork from a server that took
             # the agent's environment before this; the agent hands it on).
@@ -266,6 +268,26 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         if self._ledger is None or self._joined_round is None:
             return None
         return self._ledger.record_failed_round(self._joined_round)
+
+    def _check_clocks(self) -> None:
+        """Warn about a peer whose clock seems off: heartbeats are stamped with each node's
+        own wall clock, and a node whose clock lags by more than the heartbeat window
+        (less the interval) looks dead to the others (see docs/design.md, "Clocks")."""
+        now = datetime.now(timezone.utc)
+        interval = self._settings.keep_alive_interval
+        for node, beat in self._state_holder.state.last_heartbeats.items():
+            if node == self._this_node or node not in self._peers:
+                continue
+            ahead = (beat - now).total_seconds()
+            behind = (now - beat - interval).total_seconds()
+            if ahead > _SKEW_WARN_S or behind > _SKEW_WARN_S:
+                logger.warning(
+                    "The clock of node '%s' seems %.1f s %s this node's; keep clocks in sync "
+                    "(NTP): a skew near the heartbeat window makes live nodes look dead.",
+                    node,
+                    max(ahead, behind),
+                    "ahead of" if ahead > 0 else "behind",
+                )
 
     def _verify_peers(self) -> None:
         """Probe the new round's peers once (they are alive now), in the background, so a

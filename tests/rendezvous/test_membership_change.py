@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -78,3 +79,16 @@ def test_a_requested_reform_and_a_waiting_joiner_are_changes(
     joiners = wait_until(b.membership_change, 30, "a waiting joiner")
     assert joiners.kind is ChangeKind.JOINERS and joiners.waiting == 1
     c.close()
+
+
+def test_a_peer_clock_far_off_is_warned_about(
+    pair: list[EtcdRendezvousHandler], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = pair
+    a._check_clocks()
+    assert "seems" not in caplog.text, "fresh heartbeats: no warning"
+    beats = a._state_holder.state.last_heartbeats
+    beats[b._this_node] = datetime.now(timezone.utc) + timedelta(seconds=5)
+    a._check_clocks()
+    assert f"The clock of node '{b._this_node}' seems" in caplog.text
+    assert "ahead of" in caplog.text
