@@ -66,8 +66,9 @@ class EtcdStore(dist.Store):
         super().__init__()  # required for the pybind trampoline
         self._client = client
         self._prefix = keys.store
-        # One add token per (store, thread, key): a thread has one call in flight at a time,
-        # so a retry always finds its own token unless the add did not happen.
+        # One add-token key per (store, thread): a thread has one add in flight at a time, so a
+        # retry finds its own token there exactly when its add was applied. Their number stays
+        # bounded by stores x threads, however many keys are added to.
         self._adds = keys.store.rstrip(b"/") + b"-adds/" + uuid.uuid4().hex.encode() + b"/"
         self._lease = lease
         if timeout is not None:
@@ -90,7 +91,7 @@ class EtcdStore(dist.Store):
         Applied once even when the client re-sends the transaction after a lost reply.
         """
         k = self._key(key)
-        mark = self._adds + str(threading.get_ident()).encode() + b"/" + key.encode()
+        mark = self._adds + str(threading.get_ident()).encode()
         token = uuid.uuid4().hex.encode()
         kvs = self._client.range(k).kvs
         while True:

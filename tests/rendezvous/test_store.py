@@ -167,6 +167,10 @@ def test_add_is_applied_once_when_the_reply_is_lost_and_the_client_retries(
     assert store.get("barrier") == b"1"
     assert store.add("barrier", 1) == 2  # later adds still count
     assert store.num_keys() == 1, "add tokens must not show up as store keys"
+    for name in ("other", "keys", "too"):
+        store.add(name, 1)
+    tokens = client.range(f"/elastic-test/{run_id}/store-adds/".encode(), prefix=True)
+    assert tokens.count == 1, "one token key per store and thread, whatever the keys"
 
 
 def test_add_retry_after_a_peer_added_returns_the_first_result(
