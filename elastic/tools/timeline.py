@@ -46,6 +46,7 @@ STYLES: Mapping[str, tuple[str, str]] = {
 }
 PAUSE_COLOUR = "tab:gray"
 PAUSE_ALPHA = 0.25
+PAUSE_GID = "pause"  # the shaded spans' id in the figure (and in an SVG of it)
 PANELS = ("world size", "loss", "samples/s")
 # Reports of one dead node (each survivor's node.lost, node.dead, worker.restart) this close
 # together are one incident: one line.
@@ -81,13 +82,14 @@ class Timeline:
     steps: list[dict[str, Any]] = field(default_factory=list)  # train.step events, by time
     markers: list[Marker] = field(default_factory=list)
     pauses: list[Pause] = field(default_factory=list)
+    last: float = 0.0  # the newest event (an unfinished pause lasts until then)
 
     def times(self) -> list[float]:
         return [e["ts"] - self.t0 for e in self.steps]
 
     def end(self) -> float:
         """The last second worth showing (the newest step, marker or pause)."""
-        ends = [*self.times(), *(m.t for m in self.markers)]
+        ends = [self.last, *self.times(), *(m.t for m in self.markers)]
         ends += [p.end for p in self.pauses if p.end is not None]
         ends += [p.start for p in self.pauses]
         return max(ends, default=0.0)
@@ -205,7 +207,8 @@ def analyse(events: Iterable[Mapping[str, Any]]) -> Timeline:
     steps = [e for e in ordered if e["kind"] == "train.step" and isinstance(e.get("step"), int)]
     pauses, recoveries = _pauses(steps, ordered, t0)
     markers = sorted([*_membership_markers(ordered, t0), *recoveries], key=lambda m: m.t)
-    return Timeline(t0=t0, steps=steps, markers=markers, pauses=pauses)
+    last = ordered[-1]["ts"] - t0
+    return Timeline(t0=t0, steps=steps, markers=markers, pauses=pauses, last=last)
 
 
 def _number(value: Any) -> float:
@@ -243,8 +246,10 @@ def build_figure(events: Iterable[Mapping[str, Any]], title: str | None = None) 
         ax.set_ylabel(name)
         ax.grid(True, alpha=0.3)
         for pause in timeline.pauses:
-            end = pause.end if pause.end is not None else timeline.end()
-            ax.axvspan(pause.start, end, color=PAUSE_COLOUR, alpha=PAUSE_ALPHA, linewidth=0)
+            end = pause.end if pause.end is not None else timeline.last
+            ax.axvspan(
+                pause.start, end, color=PAUSE_COLOUR, alpha=PAUSE_ALPHA, linewidth=0, gid=PAUSE_GID
+            )
         for marker in timeline.markers:
             colour, style = STYLES[marker.kind]
             ax.axvline(marker.t, color=colour, linestyle=style, linewidth=1.2)
@@ -347,6 +352,7 @@ def render_timeline(
 
 __all__ = [
     "MEMBERSHIP_KINDS",
+    "PAUSE_GID",
     "Marker",
     "Pause",
     "Timeline",
