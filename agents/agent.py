@@ -19,6 +19,8 @@ Small hooks into torch's agent:
   waiting for the collective timeout.
 * **The commit fence in the worker environment,** since warm workers fork from a
   server that took the agent's environment before the rendezvous set it.
+* **Metrics** (:mod:`elastic.metrics`, with ``--metrics-port``): each round, change,
+  failure and spent restart is recorded; the hooks do nothing when metrics are off.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic import env, events, reform
+from elastic import env, events, metrics, reform
 from elastic.rendezvous.handler import ChangeKind, EtcdRendezvousHandler, MembershipChange
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,10 @@ class NodeAgent(LocalElasticAgent):
             return
         super()._stop_workers(worker_group)
 
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        metrics.on_round(worker_group)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         handler = self._handler()
@@ -86,9 +92,11 @@ class NodeAgent(LocalElasticAgent):
             return result
         if all(f.exitcode == reform.EXIT_CODE for f in result.failures.values()):
             logger.info("Workers stopped for a membership change; re-forming the group.")
+            metrics.on_change("reform")
             events.emit("worker.restart", reason="reform", run_id=handler.get_run_id())
             handler.request_reform()
             return RunResult(state=WorkerState.HEALTHY)
+        metrics.on_change("failure")
         self._spend_job_restart(handler)
         return result
 
@@ -98,6 +106,7 @@ class NodeAgent(LocalElasticAgent):
         if change is None or change == self._change:
             return
         self._change = change
+        metrics.on_change(change.kind.value)
         run_id = handler.get_run_id()
         if change.kind is ChangeKind.PEERS_LOST:
             logger.warning(
@@ -123,6 +132,7 @@ class NodeAgent(LocalElasticAgent):
         budget = self._worker_group.spec.max_restarts
         # torch restarts while _remaining_restarts > 0, then decrements it.
         self._remaining_restarts = budget - used + 1 if used <= budget else 0
+        metrics.on_restarts(used, budget)
         events.emit(
             "worker.restart",
             reason="failure",

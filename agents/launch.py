@@ -5,17 +5,21 @@ Takes torchrun's options (``--nnodes MIN:MAX``, ``--nproc-per-node``,
 ``--rdzv-backend`` defaulting to ``etcd-v3``, and runs any training script the way
 torchrun does. Bad input and an unreachable etcd end in one sentence on stderr
 and a non-zero exit, not a traceback.
+
+``--metrics-port N`` (or ``$ELASTIC_METRICS_PORT``; 0: a free port, printed) serves the
+agent's Prometheus metrics on ``http://<host>:N/metrics`` (:mod:`elastic.metrics`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from elastic import reform
+from elastic import env, reform
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +27,18 @@ logger = logging.getLogger(__name__)
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node's agent until its workers finish; return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Before the fork server starts: it takes this environment for the workers.
+    private_log = _event_log_for_workers() if _may_serve_metrics(argv) else None
+    try:
+        return _main(argv)
+    finally:
+        if private_log:
+            from elastic import metrics
+
+            metrics.remove_private_log(private_log)
+
+
+def _main(argv: list[str]) -> int:
     from elastic.credentials import take_password_from_env
 
     take_password_from_env()  # before any child (the fork server first) copies the environment
@@ -41,17 +57,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = get_args_parser()
     parser.prog = "elastic-agent"
     parser.set_defaults(rdzv_backend="etcd-v3")
+    parser.add_argument(
+        *_METRICS_OPTIONS,
+        type=int,
+        default=None,
+        help="Serve Prometheus metrics on this port (0: any free port, printed); "
+        f"default ${env.METRICS_PORT}, else off.",
+    )
     flags = {o for a in parser._actions if a.nargs == 0 for o in a.option_strings}
     args = parser.parse_args(translate_argv(argv, flags))
     try:
+        port = metrics_port(args.metrics_port)
         _preflight_worker_config(args)
-    except ConfigError as exc:
+    except ValueError as exc:  # a ConfigError too
         return _fail(str(exc), reform.USAGE)
     try:
         config, cmd, cmd_args = config_from_args(args)
     except (AssertionError, ValueError) as exc:  # torchrun's checks of --nnodes and friends
         return _fail(f"{exc}; check the command-line options.", reform.USAGE)
     entrypoint, cmd_args = _warm_entrypoint(args, config, cmd, cmd_args)
+    exporter = None if port is None else _start_metrics(port, config)
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
     except SignalException as exc:
@@ -63,7 +88,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(_describe(exc), reform.FAILED)
     except ChildFailedError as exc:
         return _fail(f"a worker failed: {exc.get_first_failure()[1].message}", reform.FAILED)
+    finally:
+        if exporter is not None:
+            exporter.close()
     return 0
+
+
+_METRICS_OPTIONS = ("--metrics-port", "--metrics_port")
+
+
+def _may_serve_metrics(argv: list[str]) -> bool:
+    """Whether metrics may be on, before the options are parsed (a superset: the option
+    anywhere, or the variable set); a wrong guess costs an unused private event log."""
+    return bool(os.environ.get(env.METRICS_PORT, "").strip()) or any(
+        a.partition("=")[0] in _METRICS_OPTIONS for a in argv
+    )
+
+
+def metrics_port(option: int | None) -> int | None:
+    """``--metrics-port``, else ``$ELASTIC_METRICS_PORT``, else None (off).
+
+    Raises:
+        ValueError: the port is not a number from 0 to 65535.
+    """
+    value = str(option) if option is not None else os.environ.get(env.METRICS_PORT, "").strip()
+    if not value:
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(
+            f"--metrics-port (or ${env.METRICS_PORT}) must be a port number from 0 to 65535 "
+            f"(0: any free port); got '{value}'."
+        )
+    return port
+
+
+def _event_log_for_workers() -> str | None:
+    """The exporter reads the workers' figures from their event log: make sure there is one."""
+    from elastic import metrics
+
+    try:
+        return metrics.event_log_for_workers()
+    except OSError as exc:  # observability never stops training
+        logger.warning("Cannot create a private event log (%s); no step metrics.", exc)
+        return None
+
+
+def _start_metrics(port: int, config: Any) -> Any:
+    from elastic import metrics
+
+    exporter = metrics.start(
+        port,
+        event_log=os.environ.get(env.EVENT_LOG),
+        restart_budget=config.max_restarts,
+        run_id=config.run_id,
+    )
+    if exporter is not None:
+        print(
+            f"elastic-agent: serving metrics on port {exporter.port} (/metrics).",
+            file=sys.stderr,
+            flush=True,
+        )
+    return exporter
 
 
 ALIASES = {"--etcd": "--rdzv-endpoint", "--run-id": "--rdzv-id", "--node-addr": "--local-addr"}

@@ -25,3 +25,4 @@ WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (s
 FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fencing)
 SECRET_FILE = "ELASTIC_SECRET_FILE"  # per-job secret that signs checkpoint commit markers
 ETCD_PASSWORD = "ELASTIC_ETCD_PASSWORD"  # etcd password; the agent removes it from its env
+METRICS_PORT = "ELASTIC_METRICS_PORT"  # elastic-agent --metrics-port: serve Prometheus metrics

@@ -59,6 +59,10 @@ _CHANNEL_OPTIONS = [
 
 T = TypeVar("T")
 
+# Told of every EtcdClient.call: (the request's fn, its seconds with retries, the exception it
+# raised or None). elastic.metrics sets it in an agent that serves metrics; None: no cost.
+request_observer: Callable[[Callable[..., Any], float, BaseException | None], None] | None = None
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -222,6 +226,19 @@ class EtcdClient:
 
     def call(self, fn: Callable[[_Connection, float], T]) -> T:
         """Run ``fn(conn, timeout)`` against the current endpoint, failing over on outages."""
+        observer = request_observer
+        if observer is None:
+            return self._call(fn)
+        started = time.monotonic()
+        try:
+            result = self._call(fn)
+        except BaseException as exc:
+            _observe(observer, fn, time.monotonic() - started, exc)
+            raise
+        _observe(observer, fn, time.monotonic() - started, None)
+        return result
+
+    def _call(self, fn: Callable[[_Connection, float], T]) -> T:
         budget = self._attempt_s()
         deadline = time.monotonic() + budget
         n = len(self.options.endpoints)
@@ -378,6 +395,18 @@ def _watch_once(conn: _Connection, create: Any, timeout: float) -> bool:
     finally:
         done.set()
         stream.cancel()
+
+
+def _observe(
+    observer: Callable[[Callable[..., Any], float, BaseException | None], None],
+    fn: Callable[..., Any],
+    seconds: float,
+    error: BaseException | None,
+) -> None:
+    try:
+        observer(fn, seconds, error)
+    except Exception as exc:  # metrics must never fail a request
+        logger.debug("The etcd request observer failed: %s", exc)
 
 
 def _is_deadline(exc: grpc.RpcError) -> bool:
