@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare this machine for the docker-compose end-to-end tests (tests/e2e, marker `compose`):
 # install docker.io, docker-compose and debootstrap when missing, start dockerd when none runs,
-# and build the local images (cached by content hash: a second run takes seconds).
+# and build the local images (etcd, the agent, moto for the s3 profile, Prometheus from Debian's
+# package for the monitoring profile; cached by content hash: a second run takes seconds).
 # Idempotent. Fails loudly: the e2e tests must not be skipped silently in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -6,10 +6,13 @@
 #   elastic-agent:<hash>       this repo's Dockerfile, BASE_IMAGE=elastic-base, fed the torch
 #                              wheels pip already has on this machine (no download of torch)
 #   elastic-moto:<hash>        a moto S3 server (the `s3` profile's stand-in for MinIO)
+#   elastic-prometheus:<hash>  Debian's prometheus package on elastic-base (the `monitoring`
+#                              profile), from .deb files this machine's apt downloads
 #
 # Each image is tagged with a hash of its inputs and skipped when that tag exists, so a second
 # run takes a second. Prints the image names as shell assignments on its last lines:
 #   ELASTIC_BASE_IMAGE=... ELASTIC_ETCD_IMAGE=... ELASTIC_AGENT_IMAGE=... ELASTIC_MOTO_IMAGE=...
+#   ELASTIC_PROMETHEUS_IMAGE=...
 # Logs go to stderr. Needs: docker (daemon running), debootstrap, python3 3.11 with pip.
 #
 # Env: ELASTIC_DOCKER_CACHE (default /var/tmp/elastic-docker) holds the rootfs and wheelhouse;
@@ -149,7 +152,36 @@ if ! have_image "$MOTO_IMAGE"; then
 fi
 docker tag "$MOTO_IMAGE" elastic-moto:local
 
+# --- 5. Prometheus for the monitoring profile: Debian's package on the base -------------------
+# The .deb files come from this machine's apt (same release as the base), resolved against the
+# base image's own dpkg status, so the build needs no network.
+PROM_TAG="$( (cat "$REPO/docker/prometheus.Dockerfile" "$REPO/docker/prometheus.yml"; echo "$BASE_IMAGE") | sha)"
+PROM_IMAGE="elastic-prometheus:$PROM_TAG"
+if ! have_image "$PROM_IMAGE"; then
+    PROM_DIR="$CACHE/prometheus"
+    DEBS="$PROM_DIR/debs-$BASE_TAG"
+    if [ ! -f "$DEBS/.complete" ]; then
+        log "apt-get download prometheus (+ the dependencies the base lacks)"
+        rm -rf "$DEBS" && mkdir -p "$DEBS/partial"
+        docker run --rm --entrypoint cat "$BASE_IMAGE" /var/lib/dpkg/status > "$PROM_DIR/status-$BASE_TAG"
+        apt_download() {
+            apt-get -o Dir::State::status="$PROM_DIR/status-$BASE_TAG" -o Dir::Cache::archives="$DEBS" \
+                -o Debug::NoLocking=1 install -y -qq --download-only --no-install-recommends prometheus >&2
+        }
+        apt_download || { apt-get update -qq >&2 && apt_download; }
+        ls "$DEBS"/prometheus_*.deb >/dev/null
+        rm -rf "$DEBS/partial" "$DEBS/lock"
+        touch "$DEBS/.complete"
+    fi
+    log "docker build $PROM_IMAGE ($(ls "$DEBS" | wc -l) debs)"
+    tar -c -C "$PROM_DIR" --exclude=.complete --transform "s,^debs-$BASE_TAG,debs," "debs-$BASE_TAG" \
+           -C "$REPO/docker" --transform 's,^prometheus.Dockerfile$,Dockerfile,' prometheus.Dockerfile prometheus.yml \
+        | docker build -q --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$PROM_IMAGE" - >/dev/null
+fi
+docker tag "$PROM_IMAGE" elastic-prometheus:local
+
 echo "ELASTIC_BASE_IMAGE=$BASE_IMAGE"
 echo "ELASTIC_ETCD_IMAGE=$ETCD_IMAGE"
 echo "ELASTIC_AGENT_IMAGE=$AGENT_IMAGE"
 echo "ELASTIC_MOTO_IMAGE=$MOTO_IMAGE"
+echo "ELASTIC_PROMETHEUS_IMAGE=$PROM_IMAGE"

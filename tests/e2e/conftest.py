@@ -10,6 +10,9 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -70,7 +73,12 @@ def images() -> dict[str, str]:
     if built.returncode != 0:
         pytest.fail(f"Building the local images failed:\n{built.stderr[-5000:]}")
     names = dict(line.split("=", 1) for line in built.stdout.splitlines() if "=" in line)
-    for key in ("ELASTIC_BASE_IMAGE", "ELASTIC_ETCD_IMAGE", "ELASTIC_AGENT_IMAGE"):
+    for key in (
+        "ELASTIC_BASE_IMAGE",
+        "ELASTIC_ETCD_IMAGE",
+        "ELASTIC_AGENT_IMAGE",
+        "ELASTIC_PROMETHEUS_IMAGE",
+    ):
         assert names.get(key), f"docker/build-base.sh printed no {key}:\n{built.stdout}"
     return names
 
@@ -99,11 +107,43 @@ class Cluster:
         }
         self.cli = [*compose_cli(), "-f", str(REPO / "docker-compose.yml")]
         self.event_log = self.dir / "events.jsonl"
+        self.profiles: list[str] = []  # passed to every compose command (down included)
+        self.prometheus_port: int | None = None
 
     def compose(
         self, *args: str, timeout: float = 180, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
-        return run([*self.cli, *args], timeout=timeout, check=check, env=self.env)
+        profiles = [a for p in self.profiles for a in ("--profile", p)]
+        return run([*self.cli, *profiles, *args], timeout=timeout, check=check, env=self.env)
+
+    def enable_monitoring(self, image: str) -> None:
+        """Run the ``monitoring`` profile too: Prometheus from ``image`` on a free host port."""
+        self.profiles.append("monitoring")
+        self.prometheus_port = free_port()
+        self.env.update(PROMETHEUS_IMAGE=image, PROMETHEUS_PORT=str(self.prometheus_port))
+
+    def prometheus(self, path: str, **params: Any) -> Any:
+        """The ``data`` of a Prometheus HTTP API reply, e.g. ``prometheus("/api/v1/query",
+        query="up")``; fails the test on an error status."""
+        assert self.prometheus_port, "call enable_monitoring() first"
+        query = urllib.parse.urlencode(params)
+        url = f"http://127.0.0.1:{self.prometheus_port}{path}?{query}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                body = json.load(reply)
+        except urllib.error.HTTPError as exc:
+            body = json.load(exc)
+        assert body.get("status") == "success", f"Prometheus {path} {params}: {body}"
+        return body["data"]
+
+    def prometheus_value(self, query: str) -> float | None:
+        """The one value of an instant ``query`` now; None while Prometheus has none (or is
+        not up yet)."""
+        try:
+            result = self.prometheus("/api/v1/query", query=query)["result"]
+        except OSError:  # not listening yet
+            return None
+        return float(result[0]["value"][1]) if result else None
 
     def agents(self) -> list[str]:
         """Container ids of the agent replicas, running or not."""

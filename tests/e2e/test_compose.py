@@ -1,9 +1,10 @@
 """docker-compose.yml for real: etcd + agents in containers, nodes added, killed and stopped.
 
-Scenario: up with 2 agents; scale to 3; ``docker kill`` one (SIGKILL: a crash); ``docker stop``
-another (SIGTERM: a planned leave with a checkpoint); the last one finishes the job. From the
-events and checkpoints on the shared (bind-mounted) volume: the job finished, every step ran,
-and every checkpoint a worker loaded was a complete one.
+Scenario: up with 2 agents and the ``monitoring`` profile (Prometheus); scale to 3; ``docker
+kill`` one (SIGKILL: a crash); ``docker stop`` another (SIGTERM: a planned leave with a
+checkpoint); the last one finishes the job. From the events and checkpoints on the shared
+(bind-mounted) volume: the job finished, every step ran, and every checkpoint a worker loaded
+was a complete one. From Prometheus: the agents' world-size metric followed 2 -> 3 -> 2 -> 1.
 """
 
 from __future__ import annotations
@@ -55,6 +56,38 @@ def step_at_world(cluster: Cluster, after: float, world: int, timeout: float = 1
     )
 
 
+AGENTS = '{job="elastic-agent"}'
+WORLD_SIZE = f"max(elastic_world_size{AGENTS})"
+
+
+def prometheus_sees_world(cluster: Cluster, world: int, timeout: float = 60) -> float:
+    """Wait until Prometheus has scraped world size ``world`` from the agents; return when."""
+    wait_until(
+        lambda: cluster.prometheus_value(WORLD_SIZE) == world,
+        timeout,
+        f"Prometheus to see world size {world} (it has {cluster.prometheus_value(WORLD_SIZE)})",
+    )
+    return time.time()
+
+
+def agent_figures_reach(cluster: Cluster, step: int) -> bool:
+    """Prometheus has the agents' recoveries (two at least: the kill and the leave, which the
+    last agent saw both), a complete checkpoint, and training step ``step``."""
+    recoveries = cluster.prometheus_value(f"sum(elastic_recovery_seconds_count{AGENTS})")
+    checkpoint = cluster.prometheus_value(f"max(elastic_checkpoint_step{AGENTS})")
+    newest = cluster.prometheus_value(f"max(elastic_train_step{AGENTS})")
+    return (recoveries or 0) >= 2 and (checkpoint or 0) > 0 and (newest or 0) >= step
+
+
+def collapse(values: list[float]) -> list[int]:
+    """The values without consecutive repeats: [2, 2, 3, 3, 2] -> [2, 3, 2]."""
+    out: list[int] = []
+    for v in values:
+        if not out or out[-1] != int(v):
+            out.append(int(v))
+    return out
+
+
 def assert_loaded_complete(url: str, run_id: str, loads: list[dict]) -> None:
     """Every checkpoint a worker loaded is complete: commit marker present, every file's size and
     CRC as the marker records. (A ``ckpt.save`` event alone cannot tell: a writer killed right
@@ -70,13 +103,15 @@ def loads_after(cluster: Cluster, ts: float) -> list[dict]:
 
 
 @pytest.mark.timeout(1800)
-def test_scale_kill_stop_and_finish(cluster_factory) -> None:
+def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     cluster = cluster_factory(**TINY)
+    cluster.enable_monitoring(images["ELASTIC_PROMETHEUS_IMAGE"])
     t0 = time.monotonic()
     cluster.compose("up", "-d", "--no-build", "--scale", "agent=2", timeout=300)
     assert len(cluster.agents()) == 2
     first = step_at_world(cluster, 0, 2, timeout=240)
     print(f"world 2 trains after {time.monotonic() - t0:.1f} s (step {first['step']})")
+    seen_from = prometheus_sees_world(cluster, 2)
 
     # `elastic status` from the host, through the published (127.0.0.1-only) etcd port.
     status = run(
@@ -103,6 +138,7 @@ def test_scale_kill_stop_and_finish(cluster_factory) -> None:
     cluster.compose("up", "-d", "--no-build", "--no-recreate", "--scale", "agent=3", timeout=300)
     assert len(cluster.running_agents()) == 3
     after_join = step_at_world(cluster, joined_at, 3)
+    prometheus_sees_world(cluster, 3)
     assert after_join["step"] > before
     assert min(e["step"] for e in loads_after(cluster, joined_at)) >= before - 20
     print(f"world 3 at step {after_join['step']}, {time.time() - joined_at:.1f} s after scaling")
@@ -113,6 +149,7 @@ def test_scale_kill_stop_and_finish(cluster_factory) -> None:
     killed_at = time.time()
     run(["docker", "kill", "--signal=KILL", victim])
     after_kill = step_at_world(cluster, killed_at, 2)
+    prometheus_sees_world(cluster, 2)
     print(f"world 2 at step {after_kill['step']}, {time.time() - killed_at:.1f} s after the kill")
 
     # A planned leave: `docker stop` = SIGTERM to elastic-agent (PID 1), grace period 120 s.
@@ -124,10 +161,24 @@ def test_scale_kill_stop_and_finish(cluster_factory) -> None:
     leaves = [e for e in cluster.events("node.leave") if e["ts"] > left_at]
     assert leaves, "the stopped node must leave the rendezvous itself"
     after_leave = step_at_world(cluster, left_at, 1)
+    seen_to = prometheus_sees_world(cluster, 1)
     assert min(e["step"] for e in loads_after(cluster, left_at)) >= before, (
         "a planned leave checkpoints first: nothing may be redone"
     )
     print(f"world 1 at step {after_leave['step']}, {time.time() - left_at:.1f} s after the stop")
+
+    # What Prometheus recorded while it happened.
+    series = cluster.prometheus(
+        "/api/v1/query_range", query=WORLD_SIZE, start=seen_from, end=seen_to, step=1
+    )["result"]
+    assert len(series) == 1, series
+    worlds = collapse([float(v) for _, v in series[0]["values"]])
+    assert worlds == [2, 3, 2, 1], f"Prometheus saw world sizes {worlds}"
+    wait_until(
+        lambda: agent_figures_reach(cluster, after_leave["step"]),
+        60,
+        "the last agent's recoveries, checkpoint and step in Prometheus",
+    )
 
     # The last node finishes the job.
     (last,) = cluster.running_agents()
