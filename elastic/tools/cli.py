@@ -40,19 +40,25 @@ def _add_etcd_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user", help="etcd user (etcd's auth enabled)")
     parser.add_argument(
         "--password-file",
-        help=f"file whose first line is the etcd password (default: ${PASSWORD_ENV})",
+        help=f"file that holds the etcd password (default: ${PASSWORD_ENV})",
     )
+    # Refused with a sentence (argparse's own error would echo the password back).
+    parser.add_argument("--password", help=argparse.SUPPRESS)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic", description=__doc__)
+    # No abbreviations: `--password SECRET` must not pass as `--password-file` (and then be
+    # printed in the error that names the file).
+    parser = argparse.ArgumentParser(prog="elastic", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a local elastic run on an embedded etcd")
     demo.add_argument("--run-id", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     demo.add_argument("--runs-dir", type=Path, default=Path("runs"))
     demo.add_argument("--config", type=Path, default=None, help="default: the shipped default.yaml")
 
-    status = sub.add_parser("status", help="a run's rendezvous and newest checkpoint")
+    status = sub.add_parser(
+        "status", help="a run's rendezvous and newest checkpoint", allow_abbrev=False
+    )
     _add_etcd_flags(status)
     status.add_argument("--checkpoint-url", help="where the run writes checkpoints")
     status.add_argument(
@@ -78,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     timeline.add_argument("-o", "--output", type=Path, default=Path("timeline.png"))
     timeline.add_argument("--title", help="default: the run directory's name")
 
-    dash = sub.add_parser("dashboard", help="a read-only web page of a running job")
+    dash = sub.add_parser(
+        "dashboard", help="a read-only web page of a running job", allow_abbrev=False
+    )
     _add_etcd_flags(dash)
     logs = dash.add_mutually_exclusive_group()
     logs.add_argument("--runs-dir", type=Path, help="the event log is RUNS_DIR/RUN_ID/events.jsonl")
@@ -90,8 +98,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace, request_timeout: float | None = None) -> EtcdOptions:
-    from elastic.tools.status import etcd_options
+    from elastic.tools.status import PASSWORD_ENV, etcd_options
 
+    if args.password is not None:
+        raise ConfigError(
+            "There is no --password option: a password on the command line shows in 'ps' and "
+            f"in the shell's history; pass --password-file FILE or set ${PASSWORD_ENV}."
+        )
     return etcd_options(
         args.etcd,
         cacert=args.cacert,

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 TIMELINE_EVERY_S = 3.0  # the timeline PNG is drawn again at most this often
 CHECKPOINT_EVERY_S = 10.0  # storage is listed for the newest complete checkpoint this often
 STATUS_EVERY_S = 0.5  # requests closer together share one etcd read
+TIMELINE_SIZE = (11.0, 6.0)  # inches at 100 dpi: below the cards in a 900-pixel-high window
 
 
 class EventTail:
@@ -180,7 +181,7 @@ class Dashboard:
                 cached[1] == len(events) or now - cached[0] < TIMELINE_EVERY_S
             )
             if not fresh:
-                png = render_png(events, title=self.run_id)
+                png = render_png(events, title=self.run_id, size=TIMELINE_SIZE)
                 self._timeline = cached = (now, len(events), png)
             assert cached is not None
             return cached[2]
@@ -201,7 +202,7 @@ PAGE = """<!doctype html>
  table { border-collapse: collapse; margin-bottom: 1em; }
  th, td { border-bottom: 1px solid #ddd; padding: .25em .9em .25em 0; text-align: left; }
  #errors { color: #b00; white-space: pre-wrap; }
- #timeline { max-width: 100%; border: 1px solid #eee; }
+ #timeline { max-width: 100%; border: 1px solid #eee; display: block; }
  .muted { color: #888; }
 </style>
 </head>
@@ -238,8 +239,8 @@ function render(s) {
   $("loss").textContent = fmt(st.loss, 4);
   $("rate").textContent = fmt(st.samples_per_s, 1);
   const c = s.checkpoint || {};
-  const step = c.newest_complete_step ?? c.saved_step;
-  $("checkpoint").textContent = step === null || step === undefined ? "none" : "step " + step;
+  const steps = [c.newest_complete_step, c.saved_step].filter((v) => typeof v === "number");
+  $("checkpoint").textContent = steps.length ? "step " + Math.max(...steps) : "none";
   const body = $("members").tBodies[0];
   body.replaceChildren();
   for (const m of (r && r.members) || []) {

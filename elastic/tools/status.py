@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from elastic import env
+from elastic.credentials import password_from_env
 from elastic.errors import ConfigError, EtcdStateError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.rendezvous.backend import decode_state
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
     from elastic.checkpoint.layout import Verify
 
 # The etcd password when no --password-file is given (a flag would show it in `ps`).
-PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
+PASSWORD_ENV = env.ETCD_PASSWORD
 # How much of each checkpoint file the check reads: "size" lists it (cheap on object
 # storage), "crc" reads every byte (the CRC-32 of each file; slow for remote storage).
 CheckpointVerify = Literal["size", "crc"]
@@ -51,24 +53,23 @@ class _StateUnpickler(pickle.Unpickler):
 
 
 def read_password(password_file: str | os.PathLike[str] | None) -> str | None:
-    """The etcd password: the first line of ``password_file``, else ``$ELASTIC_ETCD_PASSWORD``
-    (None when neither is there)."""
+    """The etcd password: the content of ``password_file`` (without surrounding whitespace,
+    as the agent's ``password_file=`` reads it), else ``$ELASTIC_ETCD_PASSWORD`` (None when
+    neither is there)."""
     if password_file:
         try:
-            text = Path(password_file).read_text()
+            password = Path(password_file).read_text().strip()
         except OSError as exc:
             raise ConfigError(
                 f"Cannot read the etcd password file {password_file} "
                 f"({exc.strerror or exc}); check the path and its permissions."
             ) from exc
-        lines = text.splitlines()
-        if not lines or not lines[0]:
+        if not password:
             raise ConfigError(
-                f"The etcd password file {password_file} is empty; write the password on its "
-                "first line."
+                f"The etcd password file {password_file} is empty; write the password in it."
             )
-        return lines[0]
-    return os.environ.get(PASSWORD_ENV) or None
+        return password
+    return password_from_env()
 
 
 def etcd_options(

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from elastic import events as event_log
 from elastic.errors import ConfigError
@@ -38,7 +38,7 @@ MEMBERSHIP_KINDS = frozenset(
     {"rdzv.round", "rdzv.dropped", "node.leave", "node.lost", "node.dead", "worker.restart"}
 )
 # Marker kind -> (line colour, line style).
-STYLES: Mapping[str, tuple[str, str]] = {
+STYLES: Mapping[str, tuple[str, Literal["-", ":"]]] = {
     "join": ("tab:green", "-"),
     "leave": ("tab:orange", "-"),
     "kill": ("tab:red", "-"),
@@ -51,6 +51,7 @@ PANELS = ("world size", "loss", "samples/s")
 # Reports of one dead node (each survivor's node.lost, node.dead, worker.restart) this close
 # together are one incident: one line.
 KILL_WINDOW_S = 10.0
+SIZE = (11.0, 7.5)  # inches at 100 dpi: 1100 x 750 pixels
 
 
 @dataclass(frozen=True)
@@ -215,8 +216,13 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan
 
 
-def build_figure(events: Iterable[Mapping[str, Any]], title: str | None = None) -> Figure:
-    """The three-panel figure (not attached to pyplot: safe off the main thread)."""
+def build_figure(
+    events: Iterable[Mapping[str, Any]],
+    title: str | None = None,
+    size: tuple[float, float] = SIZE,
+) -> Figure:
+    """The three-panel figure, ``size`` inches at 100 dpi (not attached to pyplot: safe off
+    the main thread)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -227,7 +233,7 @@ def build_figure(events: Iterable[Mapping[str, Any]], title: str | None = None) 
         ) from exc
 
     timeline = analyse(events)
-    fig = Figure(figsize=(11, 7.5), dpi=100, layout="constrained")
+    fig = Figure(figsize=size, dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(3, 1, sharex=True, height_ratios=(1, 1.4, 1.4))
     times = timeline.times()
@@ -321,9 +327,13 @@ def _broken(timeline: Timeline, key: str) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
-def render_png(events: Iterable[Mapping[str, Any]], title: str | None = None) -> bytes:
+def render_png(
+    events: Iterable[Mapping[str, Any]],
+    title: str | None = None,
+    size: tuple[float, float] = SIZE,
+) -> bytes:
     """The timeline as PNG bytes."""
-    fig = build_figure(events, title)
+    fig = build_figure(events, title, size)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()

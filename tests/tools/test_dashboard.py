@@ -1,0 +1,247 @@
+"""elastic dashboard: its JSON and pages over HTTP, and the page in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic.etcd.server import EtcdServer
+from elastic.tools.dashboard import Dashboard, EventTail, Served, serve
+from elastic.tools.status import etcd_options
+from tests.agent.jobs import Job
+from tests.helpers import REPO, wait_until
+
+CHROMIUM = Path("/usr/bin/chromium")
+SETUP = REPO / ".ci" / "browser-setup.sh"
+
+
+def _get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read()
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture
+def served(etcd: EtcdServer, run_id: str, tmp_path: Path) -> Iterator[Served]:
+    log = tmp_path / "events.jsonl"
+    dashboard = Dashboard(etcd_options(etcd.endpoint), run_id, event_log=log)
+    with serve(dashboard, port=0) as server:
+        yield server
+
+
+def test_event_tail_reads_only_what_was_appended(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    tail = EventTail(log)
+    assert tail.poll() == []  # no file yet
+    log.write_bytes(b'{"kind": "a", "ts": 1}\n{"kind": "b", "ts"')
+    assert [e["kind"] for e in tail.poll()] == ["a"]  # the torn line waits for its end
+    with open(log, "ab") as f:
+        f.write(b': 2}\nnot json\n{"kind": "c", "ts": 3}\n')
+    assert [e["kind"] for e in tail.poll()] == ["a", "b", "c"]
+    log.write_bytes(b'{"kind": "d", "ts": 4}\n')  # rewritten (shorter): read again
+    assert [e["kind"] for e in tail.poll()] == ["d"]
+    assert EventTail(None).poll() == []
+
+
+def test_pages_and_json_of_a_run_that_has_not_started(served: Served, run_id: str) -> None:
+    assert served.port > 0 and served.url == f"http://127.0.0.1:{served.port}/"
+    status, kind, body = _get(served.url)
+    assert status == 200 and kind.startswith("text/html")
+    page = body.decode()
+    assert f'run <span id="run-id">{run_id}</span>' in page
+    assert 'id="members"' in page and 'id="timeline"' in page and "setInterval(poll, 1000)" in page
+    status, kind, body = _get(served.url + "api/status")
+    assert status == 200 and kind == "application/json"
+    data = json.loads(body)
+    assert data["run_id"] == run_id and data["rendezvous"] == {"exists": False}
+    assert data["step"] is None and data["events"] == 0 and data["errors"] == []
+    status, kind, body = _get(served.url + "timeline.png?t=1")
+    assert status == 200 and kind == "image/png" and _png_size(body) == (1100, 600)
+    status, _, body = _get(served.url + "nothing")
+    assert status == 404 and b"No such page on this dashboard" in body
+
+
+def test_status_reads_new_events_and_reports_etcd_errors(
+    served: Served, tmp_path: Path, etcd: EtcdServer
+) -> None:
+    log = tmp_path / "events.jsonl"
+    lines = [
+        {
+            "ts": 10.0,
+            "kind": "train.step",
+            "step": 1,
+            "loss": 2.5,
+            "samples_per_s": 9.0,
+            "world_size": 1,
+        },
+        {"ts": 11.0, "kind": "ckpt.save", "step": 1, "ok": True, "url": "file:///c/step-1"},
+        {"ts": 12.0, "kind": "ckpt.save", "step": 2, "ok": False, "error": "disk full"},
+        {
+            "ts": 13.0,
+            "kind": "train.step",
+            "step": 2,
+            "loss": 2.0,
+            "samples_per_s": 10.0,
+            "world_size": 1,
+        },
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    data = wait_until(
+        lambda: (d := json.loads(_get(served.url + "api/status")[2]))["events"] == 4 and d,
+        10,
+        "the dashboard to read the event log",
+    )
+    assert data["step"] == {
+        "step": 2,
+        "loss": 2.0,
+        "samples_per_s": 10.0,
+        "world_size": 1,
+        "ts": 13.0,
+    }
+    assert data["checkpoint"]["saved_step"] == 1  # the failed save does not count
+
+    from elastic.etcd.server import free_port
+
+    unreachable = Dashboard(
+        etcd_options(f"127.0.0.1:{free_port()}", request_timeout=1.0), "x", event_log=log
+    )
+    try:
+        status = unreachable.status()
+    finally:
+        unreachable.close()
+    assert status["rendezvous"] is None and status["step"]["step"] == 2
+    assert any("Could not reach etcd" in e for e in status["errors"]), status["errors"]
+
+
+# -- the page in a real browser -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    """Debian's chromium; installed by .ci/browser-setup.sh when missing. Outside CI a machine
+    that cannot install it skips the browser test; in CI (``$CI`` set) that fails."""
+    if not CHROMIUM.exists() and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["bash", str(SETUP)], capture_output=True, timeout=900, check=False)
+    if CHROMIUM.exists():
+        return CHROMIUM
+    why = f"{CHROMIUM} is missing and .ci/browser-setup.sh could not install it (needs root + apt)"
+    if os.environ.get("CI"):
+        pytest.fail(f"{why}; CI must run the browser test.")
+    pytest.skip(why)
+
+
+def browse(chromium: Path, tmp: Path, url: str, *action: str) -> subprocess.CompletedProcess[str]:
+    """One headless chromium run (a fresh profile) on ``url``: ``--dump-dom`` or
+    ``--screenshot=PNG``."""
+    profile = tmp / f"profile-{len(list(tmp.glob('profile-*')))}"
+    profile.mkdir()
+    argv = [
+        str(chromium),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,900",
+        "--virtual-time-budget=5000",
+        *action,
+        url,
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+class _Dom(HTMLParser):
+    """The member rows, the plot element and the cards of a dumped DOM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, Any]] = []
+        self.images: list[dict[str, str | None]] = []
+        self.values: dict[str, str] = {}
+        self._cell: list[str] | None = None
+        self._value: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "tr" and a.get("class") == "member":
+            self.rows.append({"node": a.get("data-node"), "cells": []})
+        elif tag == "td" and self.rows:
+            self._cell = []
+        elif tag == "img":
+            self.images.append(a)
+        elif tag == "div" and a.get("class") == "value" and a.get("id"):
+            self._value = a["id"]
+            self.values[self._value] = ""
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._value is not None:
+            self.values[self._value] += data
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td" and self._cell is not None:
+            self.rows[-1]["cells"].append("".join(self._cell))
+            self._cell = None
+        elif tag == "div":
+            self._value = None
+
+
+@pytest.mark.slow
+def test_the_page_of_a_running_job_in_chromium(
+    chromium: Path, tmp_path: Path, etcd: EtcdServer, run_id: str
+) -> None:
+    job = Job(tmp_path / "job", etcd.endpoint, run_id, max_steps=400)
+    try:
+        node = job.start("a", nnodes="1:2")
+        wait_until(lambda: len(job.steps()) >= 3, 240, "the job's third step")
+        dashboard = Dashboard(
+            etcd_options(etcd.endpoint),
+            run_id,
+            event_log=job.event_log,
+            checkpoint_url=str(job.tmp / "ckpt"),
+        )
+        with serve(dashboard, port=0) as server:
+            dom = _Dom()
+            dom.feed(browse(chromium, tmp_path, server.url, "--dump-dom").stdout)
+            shot = tmp_path / "dashboard.png"
+            browse(chromium, tmp_path, server.url, f"--screenshot={shot}")
+            assert node.running(), "the job must run while the page is loaded"
+        rows = {r["node"]: r["cells"] for r in dom.rows}
+        ours = [n for n in rows if n and n.split("_")[1] == str(node.pid)]
+        assert ours, f"no member row for the agent (pid {node.pid}): {dom.rows}"
+        cells = rows[ours[0]]
+        assert cells[:4] == [ours[0], "127.0.0.1", str(node.pid), "rank 0"], cells
+        assert [i for i in dom.images if i.get("id") == "timeline"], dom.images
+        assert dom.values["world"] == "1" and dom.values["round"] != "-"
+        assert int(dom.values["step"]) >= 3, dom.values
+        assert float(dom.values["loss"]) > 0
+        assert shot.is_file() and _png_size(shot.read_bytes()) == (1280, 900)
+        assert shot.stat().st_size > 20_000  # a page, not a blank
+    finally:
+        job.cleanup()
