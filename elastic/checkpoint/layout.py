@@ -62,8 +62,11 @@ Verify = Literal["full", "size"]
 class StepInfo:
     """One step directory and what its commit marker says.
 
-    ``foreign`` marks a well-formed marker that is not this run's (another run id,
-    or not signed with this job's secret): never loaded, never purged.
+    ``url`` is where the step's DCP files lie (the committed attempt's directory,
+    or the step directory when there is no well-formed marker); ``step_dir`` is
+    the step directory. ``foreign`` marks a well-formed marker that is not this
+    run's (another run id, or not signed with this job's secret): never loaded,
+    never purged.
     """
 
     step: int
@@ -73,12 +76,12 @@ class StepInfo:
     marker: dict[str, Any] | None = None
     digest: str = ""
     foreign: bool = False
+    step_dir: str = ""
 
     @property
     def data_url(self) -> str:
         """The directory that holds the DCP files of the committed attempt."""
-        attempt = (self.marker or {}).get("attempt")
-        return join(self.url, attempt) if attempt else self.url
+        return self.url
 
     @property
     def metadata_record(self) -> dict[str, Any] | None:
@@ -203,23 +206,30 @@ def inspect_step(
     problem = _malformed(marker, step)
     if problem:
         return StepInfo(step, target, False, f"malformed commit marker ({problem})", None, digest)
+    data_url = join(target, marker["attempt"]) if marker.get("attempt") else target
+
+    def verdict(reason: str = "", foreign: bool = False) -> StepInfo:
+        url = data_url if not reason or foreign else target
+        return StepInfo(step, url, not reason, reason, marker, digest, foreign, target)
+
     if marker.get("run", run_id) != run_id:
-        why = f"commit marker belongs to run {marker['run']!r}, not {run_id!r}"
-        return StepInfo(step, target, False, why, marker, digest, foreign=True)
+        return verdict(f"commit marker belongs to run {marker['run']!r}, not {run_id!r}", True)
     if secret is not None:
         if "hmac" not in marker:
-            why = "commit marker is not signed (forged, or written without the job secret)"
-            return StepInfo(step, target, False, why, marker, digest, foreign=True)
+            return verdict(
+                "commit marker is not signed (forged, or written without the job secret)", True
+            )
         if not signing.verify(secret, _signed_content(marker), marker["hmac"]):
-            why = "commit marker signature does not match this job's secret (forged or foreign)"
-            return StepInfo(step, target, False, why, marker, digest, foreign=True)
-    info = StepInfo(step, target, True, "", marker, digest)
-    dfs, droot = filesystem(info.data_url)
+            return verdict(
+                "commit marker signature does not match this job's secret (forged or foreign)",
+                True,
+            )
+    dfs, droot = filesystem(data_url)
     for name, expected in marker["files"].items():
         problem = _check_file(dfs, f"{droot}/{name}", expected, verify)
         if problem:
-            return StepInfo(step, target, False, f"{name}: {problem}", marker, digest)
-    return info
+            return verdict(f"{name}: {problem}")
+    return verdict()
 
 
 def _signed_content(marker: Mapping[str, Any]) -> bytes:
@@ -301,7 +311,7 @@ def complete_steps(
                     "its commit marker does not match the commit record in etcd (round "
                     f"{records[step].get('round')}); a stale or foreign writer replaced it"
                 )
-                info = StepInfo(step, info.url, False, why, info.marker, info.digest)
+                info = StepInfo(step, info.step_dir, False, why, info.marker, info.digest)
         if not info.complete:
             if warn:
                 logger.warning("Skipping checkpoint %s: %s.", info.url, info.reason)
@@ -370,7 +380,7 @@ def _remove_other_attempts(info: StepInfo, check: Callable[[], None] | None) -> 
     attempt = (info.marker or {}).get("attempt")
     if not attempt:
         return  # an old-layout step: its files lie in the step directory itself
-    fs, root = filesystem(info.url)
+    fs, root = filesystem(info.step_dir)
     fs.invalidate_cache(root)
     try:
         entries = fs.ls(root, detail=False)

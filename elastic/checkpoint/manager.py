@@ -251,6 +251,7 @@ class CheckpointManager:
             return errors[0]
         seconds = time.perf_counter() - started
         self.last_good = step
+        url = choice.get("step_dir") or url
         logger.info("Loaded checkpoint %s in %.2fs.", url, seconds)
         events.emit(
             "ckpt.load",
@@ -469,7 +470,12 @@ class _Candidates:
         if info is None:
             return None
         self._tried.add((info.step, info.digest))
-        return {"step": info.step, "url": info.data_url, "metadata": info.metadata_record}
+        return {
+            "step": info.step,
+            "url": info.data_url,
+            "step_dir": info.step_dir,
+            "metadata": info.metadata_record,
+        }
 
     def _next_info(self) -> StepInfo | None:
         while True:
