@@ -356,7 +356,11 @@ class EtcdClient:
             if remaining <= 0:
                 return False
             try:
-                return self.call(lambda c, _t, left=remaining: _watch_once(c, create, left))
+
+                def attempt(c: _Connection, _t: float, left: float = remaining) -> bool:
+                    return _watch_once(c, create, left)
+
+                return self.call(attempt)
             except EtcdConnectionError:
                 if time.monotonic() >= deadline:
                     return False

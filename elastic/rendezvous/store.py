@@ -83,7 +83,7 @@ class EtcdStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, blocking until it exists or the store timeout passes."""
-        return self._wait_get(self._key(key), self.timeout, key)
+        return self._wait_get(self._key(key), self.timeout, key)  # type: ignore[attr-defined]
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 when absent); return the sum.
@@ -138,7 +138,8 @@ class EtcdStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists; ``DistStoreError`` after ``timeout``."""
-        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()
+        limit: timedelta = timeout or self.timeout  # type: ignore[attr-defined]
+        deadline = time.monotonic() + limit.total_seconds()
         for key in keys:
             remaining = timedelta(seconds=max(0.0, deadline - time.monotonic()))
             self._wait_get(self._key(key), remaining, key)

@@ -68,7 +68,8 @@ class Cifar10(Dataset[tuple[torch.Tensor, int]]):
 
     def __init__(self, url: str, image_size: int = 32) -> None:
         fs, root = fsspec.core.url_to_fs(url)
-        arrays, labels = [], []
+        arrays: list[np.ndarray] = []
+        labels: list[int] = []
         for n in range(1, 6):
             with fs.open(f"{root.rstrip('/')}/data_batch_{n}", "rb") as f:
                 batch: dict[bytes, Any] = pickle.load(f, encoding="bytes")

@@ -75,6 +75,17 @@ def _small_input_stem(model: nn.Module, name: str) -> None:
     model.maxpool = nn.Identity()
 
 
+def _stats(m: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running mean and variance of a layer that tracks them."""
+    assert m.running_mean is not None and m.running_var is not None
+    return m.running_mean, m.running_var
+
+
+def _batches(m: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
+    assert m.num_batches_tracked is not None
+    return m.num_batches_tracked
+
+
 class BatchNormStats:
     """Makes BatchNorm running statistics independent of how micro-batches are dealt."""
 
@@ -90,7 +101,7 @@ class BatchNormStats:
 
     def begin_step(self) -> None:
         """Remember the buffers as they are at the start of the step."""
-        self._start = [(m.running_mean.clone(), m.running_var.clone()) for m in self.layers]
+        self._start = [(mean.clone(), var.clone()) for mean, var in map(_stats, self.layers)]
         self._tracked = [
             None if m.num_batches_tracked is None else m.num_batches_tracked.clone()
             for m in self.layers
@@ -100,17 +111,19 @@ class BatchNormStats:
     def before_micro_batch(self) -> None:
         """Reset the buffers to the step's start values."""
         for m, (mean, var) in zip(self.layers, self._start, strict=True):
-            m.running_mean.copy_(mean)
-            m.running_var.copy_(var)
+            running_mean, running_var = _stats(m)
+            running_mean.copy_(mean)
+            running_var.copy_(var)
         for m, tracked in zip(self.layers, self._tracked, strict=True):
             if tracked is not None:
-                m.num_batches_tracked.copy_(tracked)
+                _batches(m).copy_(tracked)
 
     def after_micro_batch(self) -> None:
         """Add this micro-batch's update to the step's sum of updates."""
         for m, (mean, var), (dm, dv) in zip(self.layers, self._start, self._delta, strict=True):
-            dm.add_(m.running_mean - mean)
-            dv.add_(m.running_var - var)
+            running_mean, running_var = _stats(m)
+            dm.add_(running_mean - mean)
+            dv.add_(running_var - var)
 
     @torch.no_grad()
     def end_step(self, micro_batches: int, group: dist.ProcessGroup | None = None) -> None:
@@ -123,13 +136,13 @@ class BatchNormStats:
         flat /= micro_batches
         offset = 0
         for m, (mean, var) in zip(self.layers, self._start, strict=True):
-            for buf, start in ((m.running_mean, mean), (m.running_var, var)):
+            for buf, start in zip(_stats(m), (mean, var), strict=True):
                 n = buf.numel()
                 buf.copy_(start + flat[offset : offset + n].view_as(buf))
                 offset += n
         for m, tracked in zip(self.layers, self._tracked, strict=True):
             if tracked is not None:
-                m.num_batches_tracked.copy_(tracked + 1)
+                _batches(m).copy_(tracked + 1)
 
 
 __all__ = ["BatchNormStats", "build_model", "tiny_cnn"]

@@ -125,7 +125,8 @@ class Trainer:
         images, labels = collate(self.dataset, micro)
         images, labels = images.to(self.device), labels.to(self.device)
         self.bn.before_micro_batch()
-        sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        no_sync = getattr(self.model, "no_sync", None)  # DDP's; a plain module has none
+        sync = nullcontext() if last or no_sync is None else no_sync()
         with sync:
             loss = F.cross_entropy(self.model(images), labels)
             (loss * self.world_size / self.sampler.micro_batches_per_step).backward()
