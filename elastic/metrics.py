@@ -54,6 +54,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +71,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_ADDR = "0.0.0.0"  # Prometheus scrapes the agents from elsewhere
 MAX_BACKLOG = 16 << 20  # more unread bytes than this: skip to the newest ones
 MAX_PARTIAL = 1 << 20  # a "line" longer than this without a newline is dropped
+MAX_NOTES = 1000  # the agent's notes kept for the next scrape (the oldest go first)
 RECOVERY_BUCKETS = (1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _KINDS = ("train.step", "ckpt.save", "worker.restart")
 _WANTED = tuple(kind.encode() for kind in _KINDS)  # cheap filter before json.loads
 _WATCH_OPS = {"wait_for_event"}
+_ROUND = "round"  # the agent's note of a completed round (other notes name a change)
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -173,7 +176,11 @@ class AgentMetrics:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.registry = CollectorRegistry()
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the event log and what is derived from it
+        # The agent's notes, and the gauges it sets: the hooks only take this lock, which is
+        # never held over I/O, so they cannot slow the agent down.
+        self._notes_lock = threading.Lock()
+        self._notes: deque[tuple[float, str]] = deque(maxlen=MAX_NOTES)  # (time, change kind)
         self._clock = clock
         self._run_id = run_id
         self._tailer = EventTailer(event_log) if event_log else None
@@ -214,31 +221,31 @@ class AgentMetrics:
             registry=self.registry,
         )
 
-    # -- hooks (the agent's thread; errors are caught by the module functions) --------
+    # -- hooks (the agent's thread): no I/O, one short lock --------------------------------
 
     def round_completed(self, handler: Any, nodes: int, world_size: int) -> None:
         """This agent's rendezvous completed a round of ``nodes`` nodes, ``world_size`` workers."""
-        with self._lock:
-            self._poll()  # steps of the old round must not end a recovery
+        try:
+            state = _rendezvous_state(handler)
+        except Exception as exc:  # the sizes still count
+            _warn_once("reading the rendezvous state", exc)
+            state = None
+        with self._notes_lock:
             self._handler = handler
             self._gauges["elastic_nodes"] = nodes
             self._gauges["elastic_world_size"] = world_size
-            state = _rendezvous_state(handler)
             if state is not None:
                 self._gauges["elastic_rendezvous_round"] = state[0]
-            if self._recovery is not None:
-                self._recovery.round_done = self._clock()
+            self._notes.append((self._clock(), _ROUND))
 
     def change_noticed(self, kind: str) -> None:
         """This agent saw a reason to re-form the group (a recovery starts, unless one runs)."""
-        with self._lock:
-            self._poll()
-            if self._recovery is None:
-                self._recovery = _Recovery(kind, self._clock())
+        with self._notes_lock:
+            self._notes.append((self._clock(), kind))
 
     def restarts(self, used: int, budget: int) -> None:
         """The job has failed ``used`` rounds of its budget of ``budget``."""
-        with self._lock:
+        with self._notes_lock:
             self._restart_budget = budget
             self._restarts_used = max(self._restarts_used, used)
 
@@ -263,40 +270,66 @@ class AgentMetrics:
             self._poll()
 
     def _poll(self) -> None:
-        if self._tailer is None:
-            return
-        try:
-            events = self._tailer.poll()
-        except Exception as exc:
-            _warn_once(f"reading the event log {self._tailer.path}", exc)
-            return
+        """Replay the agent's notes and the new events in time order (under ``_lock``)."""
+        with self._notes_lock:
+            notes = list(self._notes)
+            self._notes.clear()
+        events: list[dict[str, Any]] = []
+        if self._tailer is not None:
+            try:
+                events = self._tailer.poll()
+            except Exception as exc:
+                _warn_once(f"reading the event log {self._tailer.path}", exc)
+        timeline: list[tuple[float, int, Any]] = [(ts, 0, note) for ts, note in notes]
         for event in events:
             try:
-                self._on_event(event)
-            except Exception as exc:  # a malformed event of a known kind
+                timeline.append((float(event.get("ts", 0.0)), 1, event))
+            except (TypeError, ValueError) as exc:
                 _warn_once(f"reading a {event.get('kind')} event", exc)
+        timeline.sort(key=lambda item: item[:2])
+        for ts, source, item in timeline:
+            try:
+                if source == 0:
+                    self._on_note(ts, item)
+                else:
+                    self._on_event(ts, item)
+            except Exception as exc:  # a malformed event of a known kind
+                what = f"a {item.get('kind')} event" if source else f"the note {item!r}"
+                _warn_once(f"reading {what}", exc)
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        kind, ts = event["kind"], float(event.get("ts", 0.0))
+    def _on_note(self, ts: float, note: str) -> None:
+        if note == _ROUND:
+            if self._recovery is not None:
+                self._recovery.round_done = ts
+        elif self._recovery is None:  # a change while one is being recovered from is part of it
+            self._recovery = _Recovery(note, ts)
+
+    def _on_event(self, ts: float, event: dict[str, Any]) -> None:
+        kind = event["kind"]
         if kind == "train.step":
-            self._gauges["elastic_train_step"] = int(event["step"])
-            self._gauges["elastic_train_step_timestamp_seconds"] = ts
-            if "loss" in event:
-                self._gauges["elastic_train_loss"] = float(event["loss"])
-            if "samples_per_s" in event:
-                self._gauges["elastic_train_samples_per_second"] = float(event["samples_per_s"])
             rec = self._recovery
             if rec is not None and rec.round_done is not None and ts >= rec.round_done:
                 self.recovery_seconds.labels(rec.kind).observe(max(0.0, ts - rec.noticed))
                 self._recovery = None
+            figures = {
+                "elastic_train_step": int(event["step"]),
+                "elastic_train_step_timestamp_seconds": ts,
+            }
+            if "loss" in event:
+                figures["elastic_train_loss"] = float(event["loss"])
+            if "samples_per_s" in event:
+                figures["elastic_train_samples_per_second"] = float(event["samples_per_s"])
+            with self._notes_lock:
+                self._gauges.update(figures)
         elif kind == "ckpt.save":
             self._on_save(event, ts)
         elif kind == "worker.restart" and "job_restarts_used" in event:
             if self._run_id is not None and event.get("run_id") not in (None, self._run_id):
                 return
-            self._restarts_used = max(self._restarts_used, int(event["job_restarts_used"]))
-            if self._restart_budget is None and "job_restart_budget" in event:
-                self._restart_budget = int(event["job_restart_budget"])
+            with self._notes_lock:
+                self._restarts_used = max(self._restarts_used, int(event["job_restarts_used"]))
+                if self._restart_budget is None and "job_restart_budget" in event:
+                    self._restart_budget = int(event["job_restart_budget"])
 
     def _on_save(self, event: dict[str, Any], ts: float) -> None:
         step = int(event["step"])
@@ -316,13 +349,13 @@ class AgentMetrics:
         """Every gauge known now, by name (``{state}`` members as ``name{state="..."}``)."""
         with self._lock:
             self._poll()
-            out = dict(self._gauges)
-            if self._restart_budget is not None:
-                out["elastic_job_restart_budget"] = self._restart_budget
-                out["elastic_job_restarts_used"] = self._restarts_used
-                out["elastic_job_restarts_left"] = max(
-                    0, self._restart_budget - self._restarts_used
-                )
+            with self._notes_lock:
+                out = dict(self._gauges)
+                budget, used, handler = self._restart_budget, self._restarts_used, self._handler
+            if budget is not None:
+                out["elastic_job_restart_budget"] = budget
+                out["elastic_job_restarts_used"] = used
+                out["elastic_job_restarts_left"] = max(0, budget - used)
             if self._checkpoint is not None:
                 out["elastic_checkpoint_step"] = self._checkpoint[0]
                 out["elastic_checkpoint_age_seconds"] = max(
@@ -330,7 +363,6 @@ class AgentMetrics:
                 )
             if self._stall is not None:
                 out["elastic_checkpoint_last_stall_seconds"] = self._stall[1]
-            handler = self._handler
         if handler is not None:
             try:
                 state = _rendezvous_state(handler)

@@ -145,6 +145,26 @@ def test_recovery_runs_from_the_change_to_the_first_step_of_the_next_round(
     assert value(samples, "elastic_recovery_seconds_count", kind="peers_lost") == 1
 
 
+def test_a_change_during_a_recovery_is_part_of_it(
+    exporter: metrics.Exporter, tmp_path: Path
+) -> None:
+    log = tmp_path / "events.jsonl"
+    handler = fake_handler()
+    noticed = time.time()
+    metrics.on_change("dropped")
+    metrics.on_round(worker_group(handler, 2, 1))
+    metrics.on_change("peers_lost")  # before any step of that round: the same recovery
+    metrics.on_round(worker_group(handler, 1, 1))
+    first = time.time()
+    append(log, {"ts": first, "kind": "train.step", "step": 5, "loss": 1.0})
+    append(log, {"ts": first + 1, "kind": "train.step", "step": 6, "loss": 1.0})
+    samples = scrape(exporter.port)
+    assert value(samples, "elastic_recovery_seconds_count", kind="dropped") == 1
+    assert value(samples, "elastic_recovery_seconds_count", kind="peers_lost") is None
+    seconds = value(samples, "elastic_recovery_seconds_sum", kind="dropped")
+    assert seconds == pytest.approx(first - noticed, abs=0.05)
+
+
 def test_etcd_requests_are_timed_and_failures_counted(
     exporter: metrics.Exporter, etcd: EtcdServer, run_id: str
 ) -> None:
@@ -185,6 +205,7 @@ def test_errors_in_the_exporter_never_reach_the_agent(
         samples = scrape(exp.port)
         samples = scrape(exp.port)
         assert value(samples, "elastic_job_restart_budget") == 1
+        assert value(samples, "elastic_world_size") == 1, "the sizes count without the state"
         assert value(samples, "elastic_rendezvous_members", state="participant") is None
         warnings = [r.getMessage() for r in caplog.records if r.name == "elastic.metrics"]
         assert len([w for w in warnings if "event log" in w]) == 1, warnings
