@@ -49,6 +49,16 @@ class RunKeys:
         return self.root + b"probes/"
 
     @property
+    def members(self) -> bytes:
+        """Prefix of the ``announce`` rendezvous's member keys: one per node, on its own lease."""
+        return self.root + b"announce/members/"
+
+    @property
+    def round(self) -> bytes:
+        """The ``announce`` rendezvous's newest round assignment (JSON), written by the closer."""
+        return self.root + b"announce/round"
+
+    @property
     def store(self) -> bytes:
         """Prefix of the c10d store's keys."""
         return self.root + b"store/"
