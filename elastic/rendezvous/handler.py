@@ -58,6 +58,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousBackend,
     RendezvousSettings,
+    _NodeDesc,
 )
 
 from elastic import env, events
@@ -117,7 +118,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """DynamicRendezvousHandler that rejoins when dropped, and records each round as an event."""
 
     _joined_round: int | None = None
-    _peers: frozenset[object] | set[object] = frozenset()
+    _peers: frozenset[_NodeDesc] = frozenset()
+    _holder: ProbingStateHolder  # torch keeps it as _state_holder, typed as its base
     _reform_requested: bool = False
     _ledger: RunLedger | None = None
     _listener: ProbeListener | None = None
@@ -132,8 +134,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._listener = ProbeListener()
         ledger.publish_probe(str(self._this_node), self._listener.port)
         self._detector = DeathDetector(ledger.probe_ports)
-        if isinstance(self._state_holder, ProbingStateHolder):
-            self._state_holder.detector = self._detector
+        self._holder.detector = self._detector
 
     def request_reform(self) -> None:
         """Make the agent re-rendezvous at its next check (a planned change of membership)."""
@@ -246,7 +247,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             _waiter.fn = None
         state = self._state_holder.state
         self._joined_round = state.round
-        self._peers = set(state.participants)
+        self._peers = frozenset(state.participants)
         self._verify_peers()
         self._check_clocks()
         if self._ledger is not None:
@@ -315,8 +316,8 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             return False
         for name in dead:
             state.last_heartbeats[suspects[name]] = _EPOCH
-        self._state_holder._sanitize()  # torch's own removal of expired nodes
-        self._state_holder.mark_dirty()
+        self._holder._sanitize()  # torch's own removal of expired nodes
+        self._holder.mark_dirty()
         logger.warning(
             "The agents of %s are gone (their probe ports refuse connections); "
             "removed them from the rendezvous without waiting for heartbeat expiry.",
@@ -328,7 +329,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     def _wait_for_state_change(self, seconds: float) -> None:
         if self._reap_dead_peers():
             return  # sync the removal now
-        token = self._state_holder._token
+        token = self._holder._token
         state = self._state_holder.state
         crowd = len(state.participants) + len(state.wait_list)
         if token is None or self._ledger is None or crowd > _MAX_WATCH_CROWD:
@@ -342,7 +343,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             remaining = _MIN_WAKE_GAP_S * random.uniform(0.5, 1.0) - (time.monotonic() - started)
             if remaining > 0:
                 time.sleep(remaining)
-            self._state_holder._last_sync_time = -1.0
+            self._holder._last_sync_time = -1.0
 
 
 def build_handler(
@@ -366,6 +367,7 @@ def build_handler(
     node = EtcdRendezvousHandler._node_desc_generator.generate(params.local_addr)
     holder = ProbingStateHolder(backend, settings)
     handler = EtcdRendezvousHandler(node, settings, backend.name, store, holder)
+    handler._holder = holder
     handler._op_executor = WaitListExecutor(node, holder, settings)
     handler.attach(ledger, options.outage_timeout)
     return handler
