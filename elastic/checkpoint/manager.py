@@ -367,7 +367,7 @@ class CheckpointManager:
 
     def _account(self, outcome: SaveOutcome) -> None:
         url = step_url(self.cfg.url, self.run_id, outcome.step)
-        fields = {
+        fields: dict[str, Any] = {
             "step": outcome.step,
             "ok": outcome.ok,
             "url": url,

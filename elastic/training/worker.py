@@ -108,6 +108,7 @@ def init_distributed(cfg: DistributedConfig) -> DistContext:
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.checkpoint_timeout_s))
+    assert isinstance(group, dist.ProcessGroup), "this rank belongs to the new group"
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     return DistContext(dist.get_rank(), dist.get_world_size(), device, group)
 
@@ -147,8 +148,8 @@ class Worker:
         self.ctx = ctx
         dataset = build_dataset(cfg.data, cfg.model.num_classes, cfg.job.seed)
         self.sampler = ElasticSampler(
-            len(dataset),
-            cfg.data.global_batch_size,  # type: ignore[arg-type]
+            len(dataset),  # type: ignore[arg-type]  # our datasets are sized
+            cfg.data.global_batch_size,
             cfg.data.micro_batch_size,
             cfg.job.seed,
         )
