@@ -21,6 +21,10 @@ request_timeout     seconds a request rides out an etcd outage; default 30
 store_timeout       seconds a blocking store read waits; default 300
 outage_timeout      seconds a running job rides out an unreachable etcd before the
                     agent gives up; default 600 (training goes on meanwhile)
+algorithm           ``single-key`` (default: torch's handler, all state in one
+                    key) or ``announce`` (one key per node on its own lease, a
+                    closer publishes each round; scales to 1,000 nodes, see
+                    :mod:`elastic.rendezvous.announce`)
 ==================  ==========================================================
 
 and torch's standard ones: ``join_timeout`` (600), ``last_call_timeout`` (30),
@@ -65,6 +69,9 @@ FAST_FAILOVER_CONF = ",".join(f"{k}={v}" for k, v in PROFILES[FAST_FAILOVER].ite
 # declared dead while alive (a split brain seen with 1 s x 2 on a 2-core machine).
 MIN_KEEP_ALIVE_ATTEMPTS = 3
 MIN_KEEP_ALIVE_WINDOW_S = 3
+SINGLE_KEY = "single-key"
+ANNOUNCE = "announce"
+ALGORITHMS = (SINGLE_KEY, ANNOUNCE)
 _IGNORED = frozenset({"timeout", "rank"})  # set by torch's launcher for every backend
 
 
@@ -90,6 +97,7 @@ class RendezvousOptions:
     heartbeat_timeout: float = 5.0
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
+    algorithm: str = SINGLE_KEY
 
     def __repr__(self) -> str:  # never show the password
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "password"}
@@ -101,6 +109,11 @@ class RendezvousOptions:
 
         if self.protocol not in (None, "http", "https"):
             raise ConfigError(f"The etcd protocol '{self.protocol}' is invalid; use http or https.")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(
+                f"The rendezvous algorithm '{self.algorithm}' is unknown; use "
+                f"{' or '.join(ALGORITHMS)}."
+            )
         for name in (
             "ttl",
             "connect_timeout",
@@ -236,8 +249,11 @@ def _convert(name: str, kind: Any, raw: Any) -> Any:
 
 
 __all__ = [
+    "ALGORITHMS",
+    "ANNOUNCE",
     "FAST_FAILOVER",
     "FAST_FAILOVER_CONF",
     "PROFILES",
     "RendezvousOptions",
+    "SINGLE_KEY",
 ]

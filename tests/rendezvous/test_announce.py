@@ -1,0 +1,210 @@
+"""The ``announce`` rendezvous (elastic.rendezvous.announce) on a real etcd, with in-process
+handlers in threads: forming rounds, joiners, deaths, bursts, and its etcd cost."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+
+from elastic.etcd.server import EtcdServer
+from elastic.rendezvous.announce import AnnounceRendezvousHandler, build_announce_handler
+from elastic.rendezvous.handler import ChangeKind
+from elastic.rendezvous.options import RendezvousOptions
+from tests.helpers import wait_until
+
+# last call 0.5 s: a round closes half a second after the last node announced.
+CONF = {
+    "algorithm": "announce",
+    "last_call_timeout": "0.5",
+    "keep_alive_interval": "1",
+    "keep_alive_max_attempt": "3",
+    "join_timeout": "60",
+}
+# Requests a node may make in one round beyond its deliberate waits (one watch each).
+MAX_REQUESTS_PER_ROUND = 5
+
+
+class Nodes:
+    """In-process handlers of one run, each on its own etcd client, closed at the end."""
+
+    def __init__(self, etcd: EtcdServer, run_id: str, nnodes: str) -> None:
+        self.etcd, self.run_id = etcd, run_id
+        self.min, self.max = (int(n) for n in (nnodes.split(":") * 2)[:2])
+        self.handlers: list[AnnounceRendezvousHandler] = []
+
+    def add(self, n: int = 1) -> list[AnnounceRendezvousHandler]:
+        new = []
+        for _ in range(n):
+            params = RendezvousParameters(
+                "etcd-v3",
+                self.etcd.endpoint,
+                self.run_id,
+                self.min,
+                self.max,
+                local_addr="127.0.0.1",
+                **CONF,
+            )
+            new.append(build_announce_handler(params, RendezvousOptions.from_params(params)))
+        self.handlers += new
+        return new
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h.close()
+
+
+@pytest.fixture
+def nodes(etcd: EtcdServer, run_id: str) -> Iterator[Callable[[str], Nodes]]:
+    made: list[Nodes] = []
+
+    def make(nnodes: str) -> Nodes:
+        made.append(Nodes(etcd, run_id, nnodes))
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def join_all(handlers: list[AnnounceRendezvousHandler]) -> dict[str, RendezvousInfo]:
+    """next_rendezvous on every handler at once (threads); their infos by node name."""
+    infos: dict[str, RendezvousInfo] = {}
+    errors: list[BaseException] = []
+
+    def join(h: AnnounceRendezvousHandler) -> None:
+        try:
+            infos[h.name] = h.next_rendezvous()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(h,)) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+    assert len(infos) == len(handlers)
+    return infos
+
+
+def round_of(h: AnnounceRendezvousHandler) -> int:
+    return int(h._joined_round)  # type: ignore[arg-type]
+
+
+def assert_one_round(infos: dict[str, RendezvousInfo], handlers: list[Any]) -> None:
+    world = len(handlers)
+    assert sorted(i.rank for i in infos.values()) == list(range(world))
+    assert {i.world_size for i in infos.values()} == {world}
+    assert len({round_of(h) for h in handlers}) == 1
+    masters = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+               for i in infos.values()}  # fmt: skip
+    assert len(masters) == 1
+
+
+@pytest.mark.parametrize("n", [8, 32])
+def test_a_round_of_n_nodes_forms(nodes: Callable[[str], Nodes], n: int) -> None:
+    run = nodes(f"{n}:{n}")
+    handlers = run.add(n)
+    infos = join_all(handlers)
+    assert_one_round(infos, handlers)
+    assert all(h.membership_change() is None for h in handlers)
+    # The round's store works for every node (a prefix per round).
+    infos[handlers[0].name].store.set("k", b"v")
+    assert infos[handlers[-1].name].store.get("k") == b"v"
+
+
+def test_a_joiner_is_seen_as_joiners_and_taken_in_at_the_next_round(
+    nodes: Callable[[str], Nodes],
+) -> None:
+    run = nodes("2:8")
+    first = run.add(3)
+    join_all(first)
+    start = round_of(first[0])
+    [late] = run.add(1)
+    joined: dict[str, RendezvousInfo] = {}
+    thread = threading.Thread(target=lambda: joined.update(x=late.next_rendezvous()))
+    thread.start()
+    changes = wait_until(
+        lambda: all(h.membership_change() for h in first) and [h.membership_change() for h in first],
+        30,
+        "the running nodes to see the joiner",
+    )
+    assert {c.kind for c in changes} == {ChangeKind.JOINERS}, changes
+    assert all(c.waiting >= 1 for c in changes)
+    infos = join_all(first)
+    thread.join(30)
+    assert "x" in joined
+    everyone = [*first, late]
+    infos[late.name] = joined["x"]
+    assert_one_round(infos, everyone)
+    assert round_of(late) == start + 1, "taken in with at most one extra round"
+
+
+def test_a_killed_member_is_removed(nodes: Callable[[str], Nodes]) -> None:
+    """A member whose agent is gone (probe port refused) is reaped long before its lease
+    would expire; one whose lease is revoked vanishes at once."""
+    run = nodes("1:4")
+    handlers = run.add(4)
+    join_all(handlers)
+    victim, revoked = handlers[1], handlers[2]
+    # kill -9 of the victim's agent: its threads stop, its probe port closes, its lease
+    # lives on (TTL 3 s) but must not be waited for.
+    victim._stop_threads()
+    assert victim._listener is not None
+    victim._listener.close()
+    victim._member_lease = 0  # the lease is left to expire (or to the reaper)
+    revoked._stop_threads()
+    revoked._revoke()
+    survivors = [handlers[0], handlers[3]]
+    changes = wait_until(
+        lambda: all(h.membership_change() for h in survivors)
+        and [h.membership_change() for h in survivors],
+        30,
+        "the survivors to see the lost peers",
+    )
+    assert {c.kind for c in changes} == {ChangeKind.PEERS_LOST}
+    infos = join_all(survivors)
+    assert_one_round(infos, survivors)
+
+
+def test_ten_joiners_at_once_take_at_most_one_extra_round(nodes: Callable[[str], Nodes]) -> None:
+    run = nodes("2:16")
+    first = run.add(4)
+    join_all(first)
+    start = round_of(first[0])
+    burst = run.add(10)
+    joined: dict[str, RendezvousInfo] = {}
+    threads = [
+        threading.Thread(target=lambda h=h: joined.update({h.name: h.next_rendezvous()}))
+        for h in burst
+    ]
+    for t in threads:
+        t.start()
+    wait_until(lambda: all(h.membership_change() for h in first), 30, "JOINERS")
+    infos = join_all(first)
+    for t in threads:
+        t.join(30)
+    infos.update(joined)
+    everyone = [*first, *burst]
+    assert_one_round(infos, everyone)
+    assert round_of(first[0]) == start + 1
+
+
+@pytest.mark.parametrize("n", [8, 32])
+def test_etcd_requests_per_node_per_round(nodes: Callable[[str], Nodes], n: int) -> None:
+    """Worst node's etcd requests for one round (keep-alives apart: one per second each)."""
+    run = nodes(f"{n}:{n}")
+    handlers = run.add(n)
+    join_all(handlers)  # the first round: leases, connections, the closer's one full read
+    for h in handlers:
+        h.request_reform()
+    before = {h.name: h._client.requests - h.keepalives for h in handlers}
+    join_all(handlers)
+    after = {h.name: h._client.requests - h.keepalives for h in handlers}
+    spent = {name: after[name] - before[name] for name in before}
+    worst = max(spent.values())
+    assert worst <= MAX_REQUESTS_PER_ROUND, spent
