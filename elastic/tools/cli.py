@@ -124,7 +124,8 @@ def _status(args: argparse.Namespace) -> int:
 
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch {args.watch:g} is not a positive number of seconds.")
-    options = _options(args)
+    # A watch reports an etcd outage within seconds instead of riding it out for 30 s.
+    options = _options(args, request_timeout=None if args.watch is None else 5.0)
     secret = state_secret()
     out = status_json if args.json else format_table
     clear = CLEAR if args.watch is not None and sys.stdout.isatty() and not args.json else ""
@@ -135,19 +136,22 @@ def _status(args: argparse.Namespace) -> int:
         return out(args.run_id, rdzv, ckpt)
 
     with EtcdClient(options) as client:
-        if args.watch is None:
-            print(report(client))
-            return 0
         try:
+            text = report(client)  # the first report must reach etcd (else a wrong endpoint)
+            if args.watch is None:
+                print(text)
+                return 0
             while True:
+                stamp = time.strftime("%H:%M:%S")
+                print(f"{clear}{text}\n(every {args.watch:g} s, {stamp}; Ctrl-C stops)", flush=True)
+                time.sleep(args.watch)
                 try:
                     text = report(client)
                 except EtcdConnectionError as exc:  # an outage: say so, keep watching
                     text = f"elastic: {exc}"
-                stamp = time.strftime("%H:%M:%S")
-                print(f"{clear}{text}\n(every {args.watch:g} s, {stamp}; Ctrl-C stops)", flush=True)
-                time.sleep(args.watch)
         except KeyboardInterrupt:
+            if args.watch is None:
+                raise
             return 0
 
 
@@ -187,7 +191,17 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named, not echoed: a mistyped --password's value is a password
+        names = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
+        values = len(unknown) - len(names)
+        shown = ", ".join(names) or "none"
+        parser.error(
+            f"unrecognized options: {shown}"
+            + (f" and {values} other argument(s), not shown" if values else "")
+            + "; see --help"
+        )
     try:
         if args.command == "demo":
             from elastic_configs import config_path
