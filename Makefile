@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docker bench clean
+.PHONY: demo test lint docker browser bench clean
 
 $(BIN)/elastic: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,11 @@ lint: $(BIN)/elastic
 docker:
 	bash .ci/docker-setup.sh
 
-test: lint docker
+# The dashboard's browser test needs Debian's chromium: installed (apt, as root) when missing.
+browser:
+	bash .ci/browser-setup.sh
+
+test: lint docker browser
 	$(BIN)/python -m pytest
 
 # Writes bench/results-rendezvous.json and bench/results-recovery.json (not tracked; each
