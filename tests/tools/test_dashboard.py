@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import struct
 import subprocess
 import urllib.error
@@ -20,7 +22,7 @@ from elastic.etcd.server import EtcdServer
 from elastic.tools.dashboard import Dashboard, EventTail, Served, serve
 from elastic.tools.status import etcd_options
 from tests.agent.jobs import Job
-from tests.helpers import REPO, wait_until
+from tests.helpers import PYTHON, REPO, node_env, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 SETUP = REPO / ".ci" / "browser-setup.sh"
@@ -245,3 +247,31 @@ def test_the_page_of_a_running_job_in_chromium(
         assert shot.stat().st_size > 20_000  # a page, not a blank
     finally:
         job.cleanup()
+
+
+def test_the_command_serves_until_ctrl_c(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    (runs / run_id).mkdir(parents=True)
+    step = {"ts": 5.0, "kind": "train.step", "step": 7, "loss": 1.5, "world_size": 1}
+    (runs / run_id / "events.jsonl").write_text(json.dumps(step) + "\n")
+    out = tmp_path / "dashboard.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "elastic.tools.cli", "dashboard", "--etcd", etcd.endpoint,
+             "--run-id", run_id, "--runs-dir", str(runs), "--port", "0"],
+            stdout=f, stderr=subprocess.PIPE, env=node_env(), cwd=REPO, text=True,
+        )  # fmt: skip
+    try:
+        found = wait_until(
+            lambda: re.search(r"(http://127\.0\.0\.1:\d+/)", out.read_text()), 60, "the URL"
+        )
+        status, _, body = _get(found.group(1) + "api/status")
+        assert status == 200 and json.loads(body)["step"]["step"] == 7
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
+    assert f"dashboard of run {run_id}: http://127.0.0.1:" in out.read_text()
