@@ -1,5 +1,44 @@
-"""elastic: fault-tolerant, elastic PyTorch training on etcd v3."""
+"""elastic: fault-tolerant, elastic PyTorch training on etcd v3.
+
+The public API (imported on first use, so ``import elastic`` stays light)::
+
+    run = elastic.Run(model, optimizer, scheduler, sampler, checkpoint_url="runs/ckpt")
+    for epoch in run.epochs(num_epochs):
+        for x, y in run.batches(loader):
+            ...
+
+* :class:`Run`: resume (memory, peer, storage), per-step snapshots, fenced checkpoints;
+* :class:`DistributedSampler`: torch's, with an exact mid-epoch resume point;
+* :class:`RecoveryError`: a state that cannot be snapshotted, exchanged or restored;
+* :data:`EXIT_CODE`: a worker's exit code when a peer asked the group to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_LAZY = {
+    "Run": "elastic.recovery.session",
+    "DistributedSampler": "elastic.recovery.sampler",
+    "RecoveryError": "elastic.recovery.codec",
+    "EXIT_CODE": "elastic.reform",
+}
+
+__all__ = ["EXIT_CODE", "DistributedSampler", "RecoveryError", "Run", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

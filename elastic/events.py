@@ -41,6 +41,9 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "ckpt.load": "a rank loaded a checkpoint: step, url, seconds, world_size",
         "train.step": "rank 0 completed a step: step, loss, lr, samples_per_s, world_size, epoch",
         "train.samples": "the sample indices a rank trained on in a step (job.sample_ledger)",
+        # elastic.recovery (the elastic.Run API)
+        "recovery.resume": "a rank resumed: step, source (memory: its node's snapshot, peer: "
+        "streamed from a holder, storage, fresh), seconds, bytes received, held, persisted",
     }
 )
 _warned_pid: int | None = None  # the process that already warned of a failed write

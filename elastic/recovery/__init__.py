@@ -1,0 +1,13 @@
+"""Zero-loss recovery from memory: per-step shared-memory snapshots, peer streaming.
+
+* :mod:`elastic.recovery.snapshot`: the double-buffered snapshot files in ``/dev/shm``;
+* :mod:`elastic.recovery.exchange`: agree on the newest state, stream it from a holder;
+* :mod:`elastic.recovery.session`: the public :class:`Run`;
+* :mod:`elastic.recovery.sampler`: a DistributedSampler with an exact resume point.
+"""
+
+from elastic.recovery.codec import RecoveryError
+from elastic.recovery.sampler import DistributedSampler
+from elastic.recovery.session import Run
+
+__all__ = ["DistributedSampler", "RecoveryError", "Run"]

@@ -1,0 +1,139 @@
+"""Agree on the newest training state after a (re-)formed group, and stream it from a holder.
+
+One all-gather over the group settles it: every rank offers the snapshot it holds
+(step and the rendezvous round that produced it) and rank 0 adds the newest
+persisted step. The newest held snapshot wins; the lowest rank holding it is the
+source; ranks holding the same (step, round) load their own copy, the others receive
+it by broadcast in chunks of :data:`CHUNK` bytes. Shared storage is read only when
+nobody holds a state at least as new as the newest persisted checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+CHUNK = 16 << 20
+
+Held = tuple[int, int]  # (step, round) of a complete snapshot
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every rank does to resume; identical on every rank."""
+
+    source: str  # "memory" (held by someone), "storage" or "fresh"
+    step: int = 0
+    round: int = 0
+    src_rank: int = -1  # group rank that streams the state
+    holders: tuple[int, ...] = ()  # group ranks that hold it locally
+    persisted: int = -1
+
+    def holds(self, rank: int) -> bool:
+        return rank in self.holders
+
+    @property
+    def needs_stream(self) -> bool:
+        return self.source == "memory" and self.receivers > 0
+
+    @property
+    def receivers(self) -> int:
+        return self.world_size - len(self.holders)
+
+    world_size: int = 1
+
+
+def decide(offers: list[Held | None], persisted: int) -> Plan:
+    """The plan, from every rank's offer (in rank order) and the newest persisted step."""
+    held = [o for o in offers if o is not None]
+    world = len(offers)
+    if held:
+        newest = max(held)
+        if newest[0] >= persisted:
+            holders = tuple(r for r, o in enumerate(offers) if o == newest)
+            return Plan("memory", newest[0], newest[1], holders[0], holders, persisted, world)
+    if persisted >= 0:
+        return Plan("storage", persisted, persisted=persisted, world_size=world)
+    return Plan("fresh", world_size=world)
+
+
+def agree(held: Held | None, persisted: int, group: dist.ProcessGroup | None = None) -> Plan:
+    """All-gather the offers over ``group`` and :func:`decide` (a world of one: locally)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return decide([held], persisted)
+    offers: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(offers, (held, persisted), group=group)
+    newest_persisted = max(int(o[1]) for o in offers)
+    held_by = [tuple(o[0]) if o[0] is not None else None for o in offers]
+    return decide(held_by, newest_persisted)
+
+
+def stream(
+    meta: bytes | None,
+    data: torch.Tensor | None,
+    src_rank: int,
+    receive: bool,
+    group: dist.ProcessGroup | None = None,
+    chunk: int = CHUNK,
+) -> tuple[bytes, torch.Tensor] | None:
+    """Broadcast a snapshot (metadata and data bytes) from group rank ``src_rank``.
+
+    The source passes ``meta`` and ``data`` (a uint8 tensor); the others pass None.
+    Ranks with ``receive`` False (they hold the state already) take part in the
+    collectives with a scratch buffer. Returns ``(meta, data)`` on receivers, else None.
+    """
+    rank = dist.get_rank(group)
+    src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+    started = time.perf_counter()
+    sizes = torch.zeros(2, dtype=torch.int64)
+    if rank == src_rank:
+        assert meta is not None and data is not None
+        sizes[0], sizes[1] = len(meta), data.numel()
+    dist.broadcast(sizes, src=src, group=group)
+    meta_len, data_len = int(sizes[0]), int(sizes[1])
+    meta_t = (
+        torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        if rank == src_rank and meta
+        else torch.empty(meta_len, dtype=torch.uint8)
+    )
+    dist.broadcast(meta_t, src=src, group=group)
+    if rank == src_rank:
+        assert data is not None
+        out = data
+    elif receive:
+        out = torch.empty(data_len, dtype=torch.uint8)
+    else:
+        out = torch.empty(min(chunk, data_len), dtype=torch.uint8)  # scratch
+    for start in range(0, data_len, chunk):
+        n = min(chunk, data_len - start)
+        piece = out[start : start + n] if rank == src_rank or receive else out[:n]
+        dist.broadcast(piece, src=src, group=group)
+    seconds = time.perf_counter() - started
+    if rank == src_rank:
+        logger.info(
+            "Sent a %.1f MB snapshot in %.3f s (%.0f MB/s).",
+            data_len / 1e6,
+            seconds,
+            data_len / 1e6 / max(seconds, 1e-9),
+        )
+        return None
+    if not receive:
+        return None
+    logger.info(
+        "Received a %.1f MB snapshot from rank %d in %.3f s (%.0f MB/s).",
+        data_len / 1e6,
+        src_rank,
+        seconds,
+        data_len / 1e6 / max(seconds, 1e-9),
+    )
+    return meta_t.numpy().tobytes(), out
+
+
+__all__ = ["CHUNK", "Held", "Plan", "agree", "decide", "stream"]
