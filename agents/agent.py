@@ -19,6 +19,9 @@ Small hooks into torch's agent:
   waiting for the collective timeout.
 * **The commit fence in the worker environment,** since warm workers fork from a
   server that took the agent's environment before the rendezvous set it.
+* **Snapshot lifetime** (:mod:`elastic.recovery.snapshot`): workers learn this agent's
+  pid (their snapshot files in ``/dev/shm`` carry it, so they outlive a worker restart);
+  the agent removes its files when it exits, and on start those of agents that are gone.
 * **Metrics** (:mod:`elastic.metrics`, with ``--metrics-port``): each round, change,
   failure and spent restart is recorded; the hooks do nothing when metrics are off.
 """
@@ -36,6 +39,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic import env, events, metrics, reform
+from elastic.recovery import snapshot
 from elastic.rendezvous.handler import ChangeKind, EtcdRendezvousHandler, MembershipChange
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,7 @@ class NodeAgent(LocalElasticAgent):
         # Set by the rendezvous after a warm worker's fork server took its environment.
         if env.FENCE in os.environ:
             worker_env[env.FENCE] = os.environ[env.FENCE]
+        worker_env[snapshot.OWNER_ENV] = str(os.getpid())  # whose node the snapshots are
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         change, self._change = self._change, None
@@ -148,6 +153,7 @@ class NodeAgent(LocalElasticAgent):
             )
 
     def run(self, role: str = "default") -> Any:
+        snapshot.remove_orphans()  # left by agents killed with -9 on this node
         try:
             return super().run(role)
         except SignalException as exc:
@@ -159,6 +165,8 @@ class NodeAgent(LocalElasticAgent):
                 except Exception as leave_exc:  # the others will notice by heartbeat expiry
                     logger.warning("Could not leave the rendezvous: %s", leave_exc)
             raise
+        finally:
+            snapshot.remove_owned(os.getpid())
 
 
 class _ReformIsNotAFailure(logging.Filter):
