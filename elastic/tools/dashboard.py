@@ -36,16 +36,20 @@ logger = logging.getLogger(__name__)
 
 TIMELINE_EVERY_S = 3.0  # the timeline PNG is drawn again at most this often
 CHECKPOINT_EVERY_S = 10.0  # storage is listed for the newest complete checkpoint this often
+# Not kept in memory: every rank's sample indices of every step (job.sample_ledger).
+SKIPPED_KINDS = frozenset({"train.samples"})
 STATUS_EVERY_S = 0.5  # requests closer together share one etcd read
 TIMELINE_SIZE = (11.0, 6.0)  # inches at 100 dpi: below the cards in a 900-pixel-high window
 
 
 class EventTail:
     """The events of a JSON-lines log, read incrementally (only what was appended since the
-    last call; a torn last line waits for its end; a truncated file is read again)."""
+    last call; a torn last line waits for its end; a truncated file is read again), less the
+    kinds in ``skip``."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, skip: frozenset[str] = SKIPPED_KINDS) -> None:
         self.path = path
+        self.skip = skip
         self.events: list[dict[str, Any]] = []
         self._offset = 0
         self._partial = b""
@@ -79,7 +83,7 @@ class EventTail:
                 event = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(event, dict):
+            if isinstance(event, dict) and event.get("kind") not in self.skip:
                 self.events.append(event)
 
 

@@ -15,6 +15,7 @@ draws it; :func:`render_timeline` writes the PNG (``elastic demo`` calls it afte
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 import math
@@ -187,7 +188,8 @@ def _pauses(
     markers: list[Marker] = []
     times = [s["ts"] for s in steps]
     for before, after, step in zip(times, times[1:], steps[1:], strict=False):
-        if any(before < c < after for c in changes):
+        i = bisect.bisect_right(changes, before)  # the first change after ``before``
+        if i < len(changes) and changes[i] < after:
             pauses.append(Pause(before - t0, after - t0))
             label = f"world {step.get('world_size', '?')}"
             loaded = [e for e in loads if before < e["ts"] < after]

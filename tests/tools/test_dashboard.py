@@ -56,7 +56,7 @@ def test_event_tail_reads_only_what_was_appended(tmp_path: Path) -> None:
     log.write_bytes(b'{"kind": "a", "ts": 1}\n{"kind": "b", "ts"')
     assert [e["kind"] for e in tail.poll()] == ["a"]  # the torn line waits for its end
     with open(log, "ab") as f:
-        f.write(b': 2}\nnot json\n{"kind": "c", "ts": 3}\n')
+        f.write(b': 2}\nnot json\n{"kind": "train.samples", "ts": 2.5}\n{"kind": "c", "ts": 3}\n')
     assert [e["kind"] for e in tail.poll()] == ["a", "b", "c"]
     log.write_bytes(b'{"kind": "d", "ts": 4}\n')  # rewritten (shorter): read again
     assert [e["kind"] for e in tail.poll()] == ["d"]
