@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 KINDS: Mapping[str, str] = MappingProxyType(
     {
-        # agents (elastic.rendezvous.handler, agents.agent)
+        # agents (elastic.rendezvous.handler and .announce, agents.agent)
         "rdzv.round": "an agent completed a rendezvous round: round, node, rank, world_size",
         "rdzv.dropped": "an agent is no longer a participant of its round (outage, missed "
         "heartbeats) and rejoins",
@@ -35,6 +35,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "rendezvous without waiting for their heartbeats to expire: nodes",
         "worker.restart": "an agent restarts its workers: reason 'reform' (a membership "
         "change) or 'failure' (spends the job's restart budget, kept in etcd)",
+        "etcd.unreachable": "an agent lost etcd; training goes on until outage_timeout",
+        "etcd.reachable": "an agent reached etcd again after an outage: seconds it lasted",
         # workers (elastic.training.worker, elastic.checkpoint.manager)
         "ckpt.save": "a rank's checkpoint save ended: step, ok, url, blocking_s, durable_s "
         "(error and last_good when it failed)",
