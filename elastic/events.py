@@ -98,7 +98,7 @@ def _warn_once(target: str | os.PathLike[str], exc: OSError) -> None:
 
 def read(path: str | os.PathLike[str], kind: str | None = None) -> list[dict[str, Any]]:
     """Return the events in ``path`` (optionally only one kind), skipping torn lines."""
-    events = []
+    events: list[dict[str, Any]] = []
     p = Path(path)
     if not p.exists():
         return events

@@ -401,7 +401,7 @@ class LocalCluster:
 
     def wait_for(
         self,
-        predicate: Callable[[], T],
+        predicate: Callable[[], T | None],
         what: str,
         timeout: float,
         every: float = 0.2,
