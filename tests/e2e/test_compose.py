@@ -167,13 +167,20 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     )
     print(f"world 1 at step {after_leave['step']}, {time.time() - left_at:.1f} s after the stop")
 
-    # What Prometheus recorded while it happened.
+    # What Prometheus recorded while it happened: evaluated every second from seen_from on,
+    # ending exactly at seen_to (query_range stops at the last whole step before `end`).
+    end_ms = int(seen_to * 1000)
+    start_ms = end_ms - (end_ms - int(seen_from * 1000)) // 1000 * 1000
     series = cluster.prometheus(
-        "/api/v1/query_range", query=WORLD_SIZE, start=seen_from, end=seen_to, step=1
+        "/api/v1/query_range",
+        query=WORLD_SIZE,
+        start=f"{start_ms / 1000:.3f}",
+        end=f"{end_ms / 1000:.3f}",
+        step=1,
     )["result"]
     assert len(series) == 1, series
-    worlds = collapse([float(v) for _, v in series[0]["values"]])
-    assert worlds == [2, 3, 2, 1], f"Prometheus saw world sizes {worlds}"
+    values = [float(v) for _, v in series[0]["values"]]
+    assert collapse(values) == [2, 3, 2, 1], f"Prometheus saw world sizes {values}"
     wait_until(
         lambda: agent_figures_reach(cluster, after_leave["step"]),
         60,
