@@ -183,11 +183,20 @@ class _Stream:
         self._stream: Any = None
         self._cancelled = False
 
+        self.current_id = 0  # how many streams were set: identifies the current one
+
     def set(self, stream: Any) -> None:
         with self._lock:
             self._stream = stream
+            self.current_id += 1
             if self._cancelled:
                 stream.cancel()
+
+    def interrupt(self, stream_id: int) -> None:
+        """End stream number ``stream_id`` if it is still the current one (a deadline)."""
+        with self._lock:
+            if self._stream is not None and self.current_id == stream_id:
+                self._stream.cancel()
 
     def cancel(self) -> None:
         with self._lock:
@@ -557,7 +566,11 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             older = [m for m in older if m.name != self._name][:1]
             if not recreated:
                 self._set_pred(older[0] if older else None, revision)
-            self._set_doc(round_kvs[0].value if round_kvs else b"", round_kvs, revision)
+            self._set_doc(
+                round_kvs[0].value if round_kvs else b"",
+                round_kvs[0].mod_revision if round_kvs else 0,
+                revision,
+            )
             self._announced = True
             if self._closer:
                 self._last_change = time.monotonic()
@@ -576,10 +589,14 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         if pred is not None and self._closer:
             self._closer = False  # an older node is back (after an outage of ours)
 
-    def _set_doc(self, value: bytes, kvs: Any, revision: int) -> None:
+    def _set_doc(self, value: bytes, mod_revision: int, seen: int = 0) -> None:
+        """Take a view of the round key, unless it is older than the one held (a read that
+        raced with a newer event or with our own publish)."""
+        self._round_seen = max(self._round_seen, seen)
+        if mod_revision < self._doc_rev or (not mod_revision and self._doc_rev):
+            return
         self._doc = decode_round(value)
-        self._doc_rev = kvs[0].mod_revision if kvs else 0
-        self._round_seen = max(self._round_seen, revision)
+        self._doc_rev = mod_revision
         self._cond.notify_all()
 
     def _revoke(self) -> None:
@@ -744,7 +761,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             with self._cond:
                 if index == 0:
                     last = batch[-1]
-                    self._set_doc(last.kv.value, [last.kv], last.kv.mod_revision)
+                    self._set_doc(last.kv.value, last.kv.mod_revision, last.kv.mod_revision)
                 else:
                     self._pred_seen = max(e.kv.mod_revision for e in batch)
                     pred_gone = any(e.type == _DELETE for e in batch)
@@ -770,7 +787,10 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         round_kvs = response.responses[0].response_range.kvs
         kvs = response.responses[1].response_range.kvs
         with self._cond:
-            self._set_doc(round_kvs[0].value if round_kvs else b"", round_kvs, 0)
+            self._set_doc(
+                round_kvs[0].value if round_kvs else b"",
+                round_kvs[0].mod_revision if round_kvs else 0,
+            )
             self._round_seen = response.header.revision
             self._set_pred(decode_member(kvs[0], self._keys.members) if kvs else None, 0)
             self._pred_seen = response.header.revision
@@ -803,7 +823,10 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             self._members = members
             self._ports.update({m.name: m.probe for m in members.values()})
             self._members_seen = response.header.revision
-            self._set_doc(round_kvs[0].value if round_kvs else b"", round_kvs, 0)
+            self._set_doc(
+                round_kvs[0].value if round_kvs else b"",
+                round_kvs[0].mod_revision if round_kvs else 0,
+            )
             self._round_seen = response.header.revision
             self._high = int(high[0].value) if high else None
             self._last_change = time.monotonic()
@@ -861,15 +884,15 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             if not self._closer:
                 return
         with self._cond:
-            action, wait_s = self._decide(time.monotonic())
+            action = self._decide(time.monotonic())[0]
         if action == "publish":
             self._publish()
             return
         if action == "update":
             self._update()
-        self._closer_watch(wait_s)
+        self._closer_watch()
 
-    def _closer_watch(self, wait_s: float) -> None:
+    def _closer_watch(self) -> None:
         with self._cond:
             creates = [
                 etcdrpc.WatchCreateRequest(
@@ -881,13 +904,13 @@ class AnnounceRendezvousHandler(RendezvousHandler):
                     key=self._keys.round, start_revision=self._round_seen + 1
                 ),
             ]
-            before = self._decide(time.monotonic())[0]
+            before, wait_s = self._decide(time.monotonic())
 
         def on_events(index: int, batch: list[Any]) -> bool:
             with self._cond:
                 if index == 1:
                     last = batch[-1]
-                    self._set_doc(last.kv.value, [last.kv], last.kv.mod_revision)
+                    self._set_doc(last.kv.value, last.kv.mod_revision, last.kv.mod_revision)
                     return True
                 for event in batch:
                     name = event.kv.key[len(self._keys.members) :].decode(errors="replace")
@@ -902,11 +925,27 @@ class AnnounceRendezvousHandler(RendezvousHandler):
                     elif (member := decode_member(event.kv, self._keys.members)) is not None:
                         self._members[name] = member
                         self._ports[name] = member.probe
-                self._last_change = time.monotonic()
-                return self._decide(self._last_change)[0] != before or before == "publish"
+                now = self._last_change = time.monotonic()
+                action, left = self._decide(now)
+                if action != before or before == "publish":
+                    return True
+                if now + left < deadline[0] - 0.01:  # the wait got shorter: end it sooner
+                    deadline[0] = now + left
+                    timers.append(threading.Timer(left, self._stream.interrupt, (stream,)))
+                    timers[-1].daemon = True
+                    timers[-1].start()
+                return False
 
-        if not watch(self._client, creates, max(wait_s, 0.05), on_events, self._stream):
-            self._members_seen = 0  # compacted: read everything again
+        wait_s = max(wait_s, 0.05)
+        deadline = [time.monotonic() + wait_s]
+        timers: list[threading.Timer] = []
+        stream = self._stream.current_id + 1  # the stream this watch will open
+        try:
+            if not watch(self._client, creates, wait_s, on_events, self._stream):
+                self._members_seen = 0  # compacted: read everything again
+        finally:
+            for timer in timers:
+                timer.cancel()
 
     def _round_doc(self, round_: int, chosen: list[Member]) -> dict[str, Any]:
         ordered = sorted(chosen, key=lambda m: m.order)
@@ -952,7 +991,10 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             high_kvs = response.responses[1].response_range.kvs
             mine = response.responses[2].response_range.kvs
             with self._cond:
-                self._set_doc(round_kvs[0].value if round_kvs else b"", round_kvs, 0)
+                self._set_doc(
+                    round_kvs[0].value if round_kvs else b"",
+                    round_kvs[0].mod_revision if round_kvs else 0,
+                )
                 self._high = int(high_kvs[0].value) if high_kvs else None
                 if not mine or mine[0].create_revision != self._create_rev:
                     self._expired = True
@@ -975,8 +1017,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             return
         with self._cond:
             self._high = round_
-            self._set_doc(json.dumps(doc).encode(), [], response.header.revision)
-            self._doc_rev = response.header.revision
+            revision = response.header.revision
+            self._set_doc(json.dumps(doc).encode(), revision, revision)
             self._first_ready = None
             self._last_change = time.monotonic()
         logger.info(
@@ -997,8 +1039,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         response = self._fenced_put(doc, None)
         if response.succeeded:
             with self._cond:
-                self._set_doc(json.dumps(doc).encode(), [], response.header.revision)
-                self._doc_rev = response.header.revision
+                revision = response.header.revision
+                self._set_doc(json.dumps(doc).encode(), revision, revision)
 
 
 # The agent (agents/agent.py) looks for the etcd-v3 handler's class; this handler offers
