@@ -7,7 +7,9 @@ grpc load only when a handler is created.
 
 Options (``--rdzv-conf key=value,...``): see :mod:`elastic.rendezvous.options`.
 
-The handler (:mod:`elastic.rendezvous.handler`) is torch's DynamicRendezvousHandler
+With ``algorithm=announce`` the handler is :mod:`elastic.rendezvous.announce` (one key
+per node); otherwise (``single-key``, the default) the handler
+(:mod:`elastic.rendezvous.handler`) is torch's DynamicRendezvousHandler
 on our storage (:mod:`~elastic.rendezvous.backend`, :mod:`~elastic.rendezvous.store`)
 and our run ledger (:mod:`~elastic.rendezvous.ledger`), all on one etcd client.
 
@@ -99,9 +101,14 @@ def create_backend(
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd-v3`` handler (the creator registered with torch)."""
     from elastic.rendezvous.handler import build_handler
-    from elastic.rendezvous.options import RendezvousOptions
+    from elastic.rendezvous.options import ANNOUNCE, RendezvousOptions
 
     options = RendezvousOptions.from_params(params)  # bad options fail here, in a sentence
+    if options.algorithm == ANNOUNCE:
+        from elastic.rendezvous.announce import build_announce_handler
+
+        # Its workers bootstrap from a port rank 0 announced; no shared agent store.
+        return build_announce_handler(params, options)  # fails now if unreachable
     if os.environ.setdefault(env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1") != "1":
         logger.warning(
             "%s=0: the shared agent TCPStore is on; nodes joining a running job may hang.",

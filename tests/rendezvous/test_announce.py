@@ -129,7 +129,9 @@ def test_a_joiner_is_seen_as_joiners_and_taken_in_at_the_next_round(
     thread = threading.Thread(target=lambda: joined.update(x=late.next_rendezvous()))
     thread.start()
     changes = wait_until(
-        lambda: all(h.membership_change() for h in first) and [h.membership_change() for h in first],
+        lambda: (
+            all(h.membership_change() for h in first) and [h.membership_change() for h in first]
+        ),
         30,
         "the running nodes to see the joiner",
     )
@@ -161,8 +163,10 @@ def test_a_killed_member_is_removed(nodes: Callable[[str], Nodes]) -> None:
     revoked._revoke()
     survivors = [handlers[0], handlers[3]]
     changes = wait_until(
-        lambda: all(h.membership_change() for h in survivors)
-        and [h.membership_change() for h in survivors],
+        lambda: (
+            all(h.membership_change() for h in survivors)
+            and [h.membership_change() for h in survivors]
+        ),
         30,
         "the survivors to see the lost peers",
     )
