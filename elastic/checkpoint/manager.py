@@ -13,8 +13,9 @@ A save has three phases:
    rank 0 builds the (signed) marker, records it through the optional fence
    (one etcd transaction that refuses when the writers' rendezvous round is no
    longer current, and stores the marker's digest: the source of truth), writes
-   ``COMMIT.json`` atomically, purges old steps (fenced, never newer than its
-   own step), and broadcasts the outcome so every rank agrees.
+   ``COMMIT.json`` atomically and broadcasts the outcome so every rank agrees
+   (the save is durable from here on: ``durable_s``); then it purges old steps
+   (fenced, never newer than its own step).
 
 Loading tries the best complete step (one whose marker matches its etcd commit
 record first) and falls back to the next older one when a step cannot be read
@@ -57,6 +58,7 @@ from elastic.checkpoint.layout import (
 )
 from elastic.checkpoint.stager import Stager
 from elastic.checkpoint.storage import (
+    FastSavePlanner,
     HashingWriter,
     SafeLoadPlanner,
     join,
@@ -272,7 +274,12 @@ class CheckpointManager:
         if attempt.startswith("save-"):
             try:
                 writer = HashingWriter(join(url, attempt))
-                dcp.save(staged, storage_writer=writer, process_group=self.group)
+                dcp.save(
+                    staged,
+                    storage_writer=writer,
+                    planner=FastSavePlanner(),
+                    process_group=self.group,
+                )
                 local["files"] = writer.written
             except (Exception, CheckpointException) as exc:  # storage must not kill training
                 local.update(ok=False, error=_root_cause(exc))
@@ -281,6 +288,8 @@ class CheckpointManager:
         outcome = self._commit(step, url, attempt, self._gather(local))
         outcome.blocking_s = blocking
         outcome.durable_s = time.perf_counter() - started
+        if outcome.ok and self.rank == 0:
+            self._purge(step)  # housekeeping after the commit: not part of durable_s
         return outcome
 
     def _start_attempt(self, step: int) -> str:
@@ -351,6 +360,11 @@ class CheckpointManager:
             write_marker(url, marker)
         except Exception as exc:  # a refused fence or a storage error: no commit
             return False, f"commit refused: {type(exc).__name__}: {exc}", {}
+        return True, "", files
+
+    def _purge(self, step: int) -> None:
+        """Rank 0 deletes old steps (fenced, never newer than ``step``) after a commit."""
+        fence = self._fence()
         try:
             purged = purge(
                 self.cfg.url,
@@ -363,7 +377,6 @@ class CheckpointManager:
             fence.forget(purged)
         except Exception as exc:  # a failed purge leaves extra steps, nothing worse
             logger.warning("Could not purge old checkpoints under %s: %s", self.cfg.url, exc)
-        return True, "", files
 
     def _account(self, outcome: SaveOutcome) -> None:
         url = step_url(self.cfg.url, self.run_id, outcome.step)

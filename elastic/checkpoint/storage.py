@@ -55,12 +55,13 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed._shard._utils import narrow_tensor_by_index  # private in torch 2.14
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._fsspec_filesystem import (  # private in torch 2.14
     FsspecReader,
     FsspecWriter,
 )
 from torch.distributed.checkpoint._traverse import set_element  # private in torch 2.14
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.filesystem import (  # private in torch 2.14
     DEFAULT_SUFFIX,
     _StorageInfo,
@@ -81,6 +82,9 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItem,
     WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import (  # private in torch 2.14
+    _create_write_item_for_tensor,
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
@@ -491,6 +495,27 @@ def metadata_problem(data: bytes, expected: dict[str, Any] | None) -> str:
     return ""
 
 
+class FastSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, minus the per-tensor ``typing`` protocol checks for plain
+    tensors (about 0.1 ms each, a few hundred per model); tensor subclasses (DTensor,
+    sharded tensors) and other values are planned by DCP itself."""
+
+    def create_local_plan(self) -> SavePlan:
+        if self._enable_plan_caching:
+            return super().create_local_plan()
+        items: list[WriteItem] = []
+        for fqn, value in self.state_dict.items():
+            if type(value) is torch.Tensor:
+                items.append(_create_write_item_for_tensor(fqn, value))
+            else:
+                items += create_default_local_save_plan({fqn: value}, self.is_coordinator).items
+        plan = SavePlan(items)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
+        return plan
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor items load with ``weights_only=True``."""
 
@@ -582,9 +607,12 @@ def crc32_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) -> 
 
 __all__ = [
     "METADATA",
+    "RAW_FORMAT",
+    "FastSavePlanner",
     "HashingWriter",
     "SafeLoadPlanner",
     "VerifyingReader",
+    "byte_view",
     "crc32_of",
     "filesystem",
     "fsync_directory",
@@ -594,4 +622,5 @@ __all__ = [
     "probe_writable",
     "write_atomically",
     "write_durably",
+    "write_views",
 ]
