@@ -11,12 +11,15 @@ logs and checkpoints stay under ``runs/<run-id>/``.
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
 
-from elastic.errors import ElasticError
-from elastic.tools.cluster import AgentOptions, LocalCluster, membership_scenario
+from elastic import env
+from elastic.errors import ConfigError, ElasticError
+from elastic.tools.cluster import AgentOptions, LocalCluster, agent_env, membership_scenario
 
 NAMES = ("node-1", "node-2", "node-3")
 LABELS = {"join": "join", "leave": "SIGTERM", "kill": "kill -9"}
@@ -35,6 +38,7 @@ def run_demo(runs_dir: Path, run_id: str, config: Path) -> int:
     cluster = LocalCluster(
         run_dir,
         run_id,
+        env=agent_env(**{env.SECRET_FILE: str(_job_secret(run_dir))}),
         options=AgentOptions(max_restarts=5, monitor_interval=0.5, join_timeout=120),
         config=config,
         max_steps=90,
@@ -51,8 +55,36 @@ def run_demo(runs_dir: Path, run_id: str, config: Path) -> int:
             raise ElasticError(f"The demo did not recover: {failed[-1]['error']}.")
         cluster.wait_for(lambda: not cluster.running(), "the end", TIMEOUT_S, while_running=False)
         table = _table(cluster, changes, started)
+        # the first node trains to the end; the second left on SIGTERM: both must exit 0
+        codes = {name: cluster.nodes[name].wait(10) for name in NAMES[:2]}
     print(table)
+    _draw_timeline(cluster, run_dir, run_id)
+    if any(codes.values()):
+        raise ElasticError(f"The demo's agents exited with {codes}; see the logs in {run_dir}.")
     return 0
+
+
+def _job_secret(run_dir: Path) -> Path:
+    """A fresh per-job secret (mode 0600) that signs the rendezvous state and checkpoints."""
+    path = run_dir / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def _draw_timeline(cluster: LocalCluster, run_dir: Path, run_id: str) -> None:
+    try:
+        from elastic.tools.timeline import render_timeline
+
+        out = render_timeline(
+            cluster.event_log, run_dir / "timeline.png", title=f"elastic demo {run_id}"
+        )
+        print(f"timeline: {out}")
+    except ConfigError as exc:  # matplotlib missing (the plot extra)
+        print(f"timeline: not drawn ({exc})")
 
 
 def _table(cluster: LocalCluster, changes: list[dict[str, Any]], started: float) -> str:
