@@ -59,6 +59,7 @@ import pickle
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -446,6 +447,226 @@ def measure_etcd(
     )
 
 
+# -- many processes: single-key, announce and c10d at up to 1,024 nodes ------
+
+ALGOS = ("single-key", "announce", "c10d")
+
+
+def announce_node(endpoint: str, run_id: str, n: int) -> tuple[Any, Callable[[], int]]:
+    """An ``announce`` handler with its own client; its requests exclude keep-alives."""
+    from elastic.rendezvous.announce import build_announce_handler
+
+    params = params_for(
+        "etcd-v3",
+        endpoint,
+        run_id,
+        n,
+        store_timeout=RDZV_CONF["join_timeout"],
+        algorithm="announce",
+    )
+    handler = build_announce_handler(params, RendezvousOptions.from_params(params))
+    return handler, lambda: handler._client.requests - handler.keepalives
+
+
+class WorkerNodes:
+    """The nodes one worker process hosts for one measurement."""
+
+    def __init__(self, cmd: dict[str, Any]) -> None:
+        algo, n, count, run_id = cmd["algo"], cmd["n"], cmd["count"], cmd["run_id"]
+        self.algo = algo
+        self.handlers: list[Any] = []
+        self.requests: list[Callable[[], int]] = []
+        self.closers: list[Callable[[], None]] = []
+        for _ in range(count):
+            if algo == "announce":
+                handler, requests = announce_node(cmd["endpoint"], run_id, n)
+                self.closers.append(handler.close)
+            elif algo == "single-key":
+                node = etcd_node(cmd["endpoint"], run_id, n)
+                handler, requests = node.handler, node.requests
+                self.closers.append(node.close)
+            else:
+                node = c10d_node(cmd["port"], run_id, n)
+                handler, requests = node.handler, node.requests
+            self.handlers.append(handler)
+            self.requests.append(requests)
+
+    def run(self, delays: DelayCounter) -> dict[str, Any]:
+        """All nodes' next_rendezvous at once; per-node times, requests, process CPU."""
+        before = [r() for r in self.requests]
+        rows: list[dict[str, Any]] = [{} for _ in self.handlers]
+        delays.reset()
+
+        def join(i: int) -> None:
+            row = rows[i]
+            row["started"] = time.monotonic()
+            try:
+                info = self.handlers[i].next_rendezvous()
+                row["rank"], row["world"] = info.rank, info.world_size
+            except Exception as exc:  # reported in the JSON
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["finished"] = time.monotonic()
+            if self.algo != "announce":
+                self.handlers[i]._stop_heartbeats()
+            row["requests"] = self.requests[i]() - before[i]
+            row["sync_waits"] = delays.of(threading.get_ident()).sync_calls
+
+        cpu = time.process_time()
+        threads = [threading.Thread(target=join, args=(i,), daemon=True) for i in range(len(rows))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(RDZV_CONF["join_timeout"] + 60)
+        return {"nodes": rows, "cpu_s": time.process_time() - cpu}
+
+    def close(self) -> None:
+        for close in self.closers:
+            try:
+                close()
+            except Exception as exc:  # a bench node that cannot close is not a result
+                print(f"close failed: {exc}", file=sys.stderr)
+
+
+def worker_main() -> None:
+    """A bench worker: build nodes, run rounds, close them, as the parent commands (JSON
+    lines on stdin; answers on stdout)."""
+    nodes: WorkerNodes | None = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "build":
+            nodes = WorkerNodes(cmd)
+            answer: dict[str, Any] = {"ready": True}
+        elif cmd["cmd"] == "go" and nodes is not None:
+            # Wraps the join loop's wait as the handlers left it (our watch hook).
+            with DelayCounter().installed() as delays:
+                answer = nodes.run(delays)
+        elif cmd["cmd"] == "close" and nodes is not None:
+            nodes.close()
+            nodes, answer = None, {"closed": True}
+        else:
+            return
+        print(json.dumps(answer), flush=True)
+
+
+class Pool:
+    """Long-lived worker processes (torch imports once each)."""
+
+    def __init__(self, size: int, args: argparse.Namespace) -> None:
+        argv = [
+            sys.executable,
+            __file__,
+            "--worker",
+            f"--join-timeout={args.join_timeout}",
+            f"--keep-alive-interval={args.keep_alive_interval}",
+        ]
+        self.procs = [
+            subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for _ in range(size)
+        ]
+
+    def ask(self, cmds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Send each process its command, then read every answer."""
+        for proc, cmd in zip(self.procs, cmds, strict=False):
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(cmd) + "\n")
+            proc.stdin.flush()
+        answers = []
+        for proc, _ in zip(self.procs, cmds, strict=False):
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"bench worker {proc.pid} died (rc {proc.poll()})")
+            answers.append(json.loads(line))
+        return answers
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.stdin:
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def measure_multi(algo: str, n: int, pool: Pool, server: EtcdServer) -> dict[str, Any]:
+    """One round of ``algo`` with N nodes spread over the pool's processes."""
+    procs = min(len(pool.procs), n)
+    counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    run_id = f"bench-{algo}-{n}-{uuid.uuid4().hex[:8]}"
+    host = None
+    base: dict[str, Any] = {"cmd": "build", "algo": algo, "n": n, "run_id": run_id}
+    if algo == "c10d":
+        host, port = c10d_host(run_id)
+        base["port"] = port
+    else:
+        base["endpoint"] = server.endpoint
+    pool.ask([{**base, "count": c} for c in counts])
+    server_pid = server.proc.pid if server.proc else None
+    etcd_cpu = proc_cpu_s(server_pid) if server_pid else 0.0
+    parent_cpu = proc_cpu_s(None)
+    answers = pool.ask([{"cmd": "go"}] * procs)
+    etcd_cpu = (proc_cpu_s(server_pid) if server_pid else 0.0) - etcd_cpu
+    parent_cpu = proc_cpu_s(None) - parent_cpu  # the c10d store server lives here
+    pool.ask([{"cmd": "close"}] * procs)
+    del host
+    rows = [row for answer in answers for row in answer["nodes"]]
+    errors = sorted({r["error"] for r in rows if "error" in r})
+    done = [r for r in rows if "finished" in r and "started" in r]
+    start = min(r["started"] for r in done)
+    seconds = max(r["finished"] for r in done) - start
+    ranks_ok = sorted(r.get("rank", -1) for r in rows) == list(range(n)) and all(
+        r.get("world") == n for r in rows
+    )
+    excess = [r["requests"] - r["sync_waits"] for r in rows]
+    cpu = sum(a["cpu_s"] for a in answers)
+    return {
+        "nodes": n,
+        "backend": algo,
+        "processes": procs,
+        "seconds": round(seconds, 3),
+        "first_return_s": round(min(r["finished"] for r in done) - start, 3),
+        "requests_per_node": round(sum(r["requests"] for r in rows) / n, 2),
+        "max_node_requests": max(r["requests"] for r in rows),
+        "max_node_requests_beyond_waits": max(excess),
+        "max_node_sync_waits": max(r["sync_waits"] for r in rows),
+        "client_cpu_s": round(cpu, 3),
+        "client_cpu_ms_per_node": round(1000 * cpu / n, 2),
+        **({"etcd_server_cpu_s": round(etcd_cpu, 3)} if algo != "c10d" else {}),
+        **({"store_server_cpu_s": round(parent_cpu, 3)} if algo == "c10d" else {}),
+        "ok": ranks_ok and not errors,
+        "errors": errors[:3],
+    }
+
+
+def run_multi(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str, Any]:
+    """Every algorithm at every N in one run; an algorithm that failed or took longer than
+    ``--max-round-s`` at some N is not run at larger N (reported as skipped)."""
+    server = start_etcd(tmp / "data")
+    pool = Pool(args.procs, args)
+    rows: list[dict[str, Any]] = []
+    given_up: dict[str, str] = {}
+    algos = [a for a in ALGOS if a in args.algos.split(",")]
+    try:
+        for n in counts:
+            for k in range(args.repeats):
+                for algo in algos if k % 2 == 0 else algos[::-1]:
+                    if algo in given_up:
+                        rows.append({"nodes": n, "backend": algo, "skipped": given_up[algo]})
+                        continue
+                    load = os.getloadavg()[0]
+                    row = {**measure_multi(algo, n, pool, server), "repeat": k, "load": load}
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+                    rows.append(row)
+                    if not row["ok"] or row["seconds"] > args.max_round_s:
+                        given_up[algo] = f"failed or over {args.max_round_s:g} s at N={n}"
+    finally:
+        pool.close()
+        server.stop()
+    return {"results": rows, "processes": args.procs}
+
+
 # -- evidence: per-request latency and etcd's disk metrics -------------------
 
 
@@ -596,6 +817,13 @@ def run_all(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str,
     }
 
 
+def run_stamp() -> dict[str, Any]:
+    """The git commit (and whether the tree was dirty) and a UTC timestamp."""
+    from elastic.tools.cluster import provenance
+
+    return provenance()
+
+
 def etcd_version() -> str:
     out = subprocess.run([find_etcd(), "--version"], capture_output=True, text=True, check=False)
     return out.stdout.splitlines()[0].removeprefix("etcd Version: ") if out.stdout else "unknown"
@@ -661,22 +889,40 @@ def parse_args() -> argparse.Namespace:
         help="keep torch's inspect.stack()-based event names (128 threads then livelock)",
     )
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
+    parser.add_argument(
+        "--single-process",
+        action="store_true",
+        help="the old bench: single-key vs c10d, every node a thread of this process",
+    )
+    parser.add_argument("--procs", type=int, default=8, help="worker processes (multi-process)")
+    parser.add_argument("--algos", default=",".join(ALGOS), help="which to run (multi-process)")
+    parser.add_argument(
+        "--max-round-s", type=float, default=60.0, help="slower: not run at larger N"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     configure(args)
+    if args.worker:
+        worker_main()
+        return
     counts = [int(x) for x in args.nodes.split(",") if x.strip()]
     started = time.monotonic()
-    report = environment()
+    report = {**run_stamp(), **environment()}
     with tempfile.TemporaryDirectory(prefix="rdzv-bench-") as tmp:
-        report.update(run_all(args, counts, Path(tmp)))
+        if args.single_process:
+            report.update(run_all(args, counts, Path(tmp)))
+        else:
+            report.update(run_multi(args, counts, Path(tmp)))
     report["bench_seconds"] = round(time.monotonic() - started, 1)
+    report["loadavg_end"] = os.getloadavg()[0]
     text = json.dumps(report, indent=1)
     print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    out = args.json_out or Path(__file__).with_name("results-rendezvous.json")
+    out.write_text(text + "\n")
 
 
 if __name__ == "__main__":
