@@ -1,4 +1,5 @@
-"""The ``elastic`` command: ``elastic demo``, ``status``, ``timeline`` and ``dashboard``."""
+"""The ``elastic`` command: ``elastic demo``, ``status``, ``timeline``, ``dashboard`` and
+``chaos``."""
 
 from __future__ import annotations
 
@@ -94,6 +95,17 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--checkpoint-url", help="where the run writes checkpoints")
     dash.add_argument("--host", default="127.0.0.1", help="address to serve on")
     dash.add_argument("--port", type=int, default=8080, help="0: any free port")
+
+    chaos = sub.add_parser(
+        "chaos", help="a seeded fault schedule against a local job, then checks", allow_abbrev=False
+    )
+    chaos.add_argument("--minutes", type=float, default=10.0, help="how long faults are injected")
+    chaos.add_argument("--seed", type=int, default=0)
+    chaos.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    chaos.add_argument("--every", type=float, default=120.0, help="mean seconds between faults")
+    chaos.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
+    chaos.add_argument("--agents", type=int, default=3, help="agents at the start (2-4)")
+    chaos.add_argument("--json-only", action="store_true", help="print only the JSON report")
     return parser
 
 
@@ -213,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _timeline(args)
         if args.command == "dashboard":
             return _dashboard(args)
+        if args.command == "chaos":
+            from elastic.tools.chaos import command
+
+            return command(args)
         return _status(args)
     except ConfigError as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)

@@ -1,4 +1,8 @@
-"""Run our CNN worker under real elastic-agent processes and read what happened."""
+"""Run our CNN worker under real elastic-agent processes and read what happened.
+
+The comparisons (final model vs a fault-free run, samples of the kept trajectory) live in
+:mod:`elastic.tools.chaos`, which ``elastic chaos`` shares with these tests.
+"""
 
 from __future__ import annotations
 
@@ -7,30 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from elastic import env
+from elastic.tools.chaos import LR, MODEL_RTOL, kept_samples, model_differences
 from elastic.tools.cluster import AgentOptions, LocalCluster
 from tests.helpers import PYTHON, REPO, Node, node_env
 
-# A small learning rate keeps float-summation differences between world sizes from growing
-# chaotically over 100 steps (measured: 1.2e-7 at lr 0.005, 9e-3 at tiny.yaml's 0.05).
-LR = 0.005
 TINY = REPO / "configs" / "tiny.yaml"
-
-
-# Largest relative L2 difference allowed between any tensor of a faulted job's final model
-# and the fault-free world-1 run's. Measured: the reordered float sums of world sizes 1-3
-# leave 3e-5..1.1e-4 after 60-100 steps at LR; one step more or less at mid-training changes
-# some tensor by 5e-2. The threshold sits a decade from both.
-MODEL_RTOL = 1e-3
 
 
 def assert_models_match(final: dict[str, Any], reference: dict[str, Any]) -> None:
     """``final`` equals ``reference`` up to float summation order (see :data:`MODEL_RTOL`)."""
     assert final.keys() == reference.keys(), "the final checkpoint has other parameters"
-    for key, ref in reference.items():
-        if not ref.is_floating_point():
-            assert (final[key] == ref).all(), key
-            continue
-        rel = float((final[key] - ref).norm() / ref.norm().clamp_min(1e-12))
+    for key, rel in model_differences(final, reference).items():
         assert rel < MODEL_RTOL, f"{key} differs from the fault-free run by {rel:.1e} (relative)"
 
 
@@ -108,16 +99,8 @@ class Job(LocalCluster):
 
     def ledger(self) -> list[int]:
         """Sample indices of the trajectory that survived (a redone step replaces the old)."""
-        per_step: dict[tuple[int, int], list[int]] = {}
-        for e in self.events("train.samples"):
-            per_step[(e["step"], e["rank"], e["world_size"])] = e["indices"]
-        latest: dict[int, tuple[int, list[int]]] = {}
-        for (step, _rank, world), indices in per_step.items():
-            latest.setdefault(step, (world, []))
-            if latest[step][0] != world:
-                latest[step] = (world, [])
-            latest[step][1].extend(indices)
-        return [i for _, (_, indices) in sorted(latest.items()) for i in indices]
+        kept = kept_samples(self.events("train.samples"))
+        return [i for _, indices in sorted(kept.items()) for i in indices]
 
     def cleanup(self) -> list[int]:
         """Kill everything still running; return the worker pids that were left behind."""

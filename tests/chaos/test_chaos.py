@@ -1,0 +1,84 @@
+"""A short seeded chaos schedule (``elastic chaos``): every invariant must hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elastic.tools.chaos import (
+    KINDS,
+    ChaosOptions,
+    kept_samples,
+    plan,
+    run_chaos,
+    sample_problems,
+    table,
+)
+
+# The CI schedule: one of each kind that needs observation, storage and etcd trouble, a stale
+# writer and a membership change; about 2-3 minutes of wall time on two loaded cores.
+CI_KINDS = (
+    "kill_in_save",
+    "kill_after_fence",
+    "stale_writer",
+    "storage_ro",
+    "etcd_member",
+    "kill_agent",
+    "join",
+)
+
+
+def test_plan_is_seeded_and_keeps_the_agents_between_bounds() -> None:
+    import random
+
+    a = plan(random.Random(7), list(KINDS), 30, 3, 2, 4)
+    assert a == plan(random.Random(7), list(KINDS), 30, 3, 2, 4)
+    agents = 3
+    for kind in a:
+        agents += 1 if kind == "join" else -1 if kind in ("kill_agent", "leave") else 0
+        assert 2 <= agents <= 4, a
+    assert set(a) == set(KINDS), "30 faults cover every kind"
+
+
+def test_kept_samples_takes_the_redone_attempt() -> None:
+    def ev(step: int, rank: int, world: int, indices: list[int]) -> dict:
+        return {"step": step, "rank": rank, "world_size": world, "indices": indices}
+
+    samples = [
+        ev(1, 0, 2, [0, 1]),
+        ev(1, 1, 2, [2, 3]),
+        ev(2, 0, 2, [4, 5]),  # lost: redone at world 1
+        ev(2, 0, 1, [4, 5, 6, 7]),
+        ev(3, 0, 1, [8, 9, 10, 11]),
+    ]
+    kept = kept_samples(samples)
+    assert kept == {1: [0, 1, 2, 3], 2: [4, 5, 6, 7], 3: [8, 9, 10, 11]}
+    assert sample_problems(kept, steps_per_epoch=3, batch=4) == []
+    kept[3] = [8, 9, 10, 0]
+    assert sample_problems(kept, steps_per_epoch=3, batch=4)
+
+
+@pytest.mark.slow
+def test_a_short_seeded_schedule_keeps_every_invariant(tmp_path: Path) -> None:
+    lines: list[str] = []
+    report = run_chaos(
+        ChaosOptions(
+            minutes=1.6,
+            seed=11,
+            runs_dir=tmp_path,
+            every_s=10.0,
+            kinds=CI_KINDS,
+            say=lines.append,
+        )
+    )
+    summary = table(report)
+    print(summary)
+    failed = [c for c in report["invariants"] if not c["ok"]]
+    assert not failed, f"{summary}\n{json.dumps(report['fault_log'], indent=1)}\n" + "\n".join(
+        lines
+    )
+    assert report["faults"] >= 4, summary
+    assert len(report["faults_by_kind"]) >= 4, "a handful of faults of different kinds"
+    assert all(c["checks"] > 0 for c in report["invariants"] if "stale" not in c["invariant"])
