@@ -111,7 +111,7 @@ class _Worker:
             text=True,
             env=env,
         )
-        self.package = self._read()["package"]
+        self.package = self._read()
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -143,7 +143,13 @@ def _worker_main(model: str, url: Path, out: IO[str]) -> None:
     cfg = CheckpointConfig(url=str(url), keep_last=1, verify="size")
     manager = CheckpointManager(cfg, run_id="bench", secret=None)
     manager.save(0, state, block=True)  # the first save allocates the staging buffers
-    print(json.dumps({"package": str(Path(elastic.__file__).parent)}), file=out, flush=True)
+    from elastic.checkpoint import storage
+
+    package = {
+        "package": str(Path(elastic.__file__).parent),
+        "crc32": getattr(storage, "CRC32_IMPLEMENTATION", "zlib"),
+    }
+    print(json.dumps(package), file=out, flush=True)
     for step, _ in enumerate(sys.stdin, start=1):
         started = time.perf_counter()
         manager.save(step, state)
@@ -165,7 +171,7 @@ def _worker_main(model: str, url: Path, out: IO[str]) -> None:
     dist.destroy_process_group()
 
 
-def _summary(saves: list[dict[str, Any]], nbytes: int, package: str) -> dict[str, Any]:
+def _summary(saves: list[dict[str, Any]], nbytes: int, package: dict[str, Any]) -> dict[str, Any]:
     blocking = [s["blocking_s"] * 1e3 for s in saves]
     durable = [s["durable_s"] * 1e3 for s in saves]
     persist = [nbytes / max(s["durable_s"] - s["blocking_s"], 1e-9) / 1e6 for s in saves]
@@ -175,7 +181,7 @@ def _summary(saves: list[dict[str, Any]], nbytes: int, package: str) -> dict[str
         "wait_ms": _median([s["wait_s"] * 1e3 for s in saves]),
         "persist_mb_s": _median(persist),
         "durable_ms_all": [round(d, 1) for d in durable],
-        "package": package,
+        **package,
     }
 
 
