@@ -260,7 +260,7 @@ class Run:
                 group=self._ctl,
             )
             if got is not None:
-                state = decode(got[0], got[1], clone=False)
+                state = decode(got[0], got[1], clone=True)
                 self.received_bytes = got[1].numel()
                 self.resumed_from = "peer"
         assert state is not None
