@@ -27,7 +27,6 @@ import math
 import os
 import random
 import secrets
-import shutil
 import signal
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
 from elastic.procs import WORKER_NAME, descendants, kill
 from elastic.procs import name as proc_name
 from elastic.tools.cluster import AgentOptions, LocalCluster, Node, agent_env, alive, provenance
+from elastic.tools.faults import Net, start_members
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +330,10 @@ def stale_writer(spec_json: str, url: str, run_id: str, step: int) -> dict[str, 
             out["refused"][what] = True
             out[f"{what}_error"] = str(exc)
             continue
+        except Exception as exc:  # etcd down (another fault): it wrote nothing either
+            out["refused"][what] = True
+            out[f"{what}_error"] = f"failed before writing: {type(exc).__name__}: {exc}"
+            continue
         # A purge that found nothing to delete never reaches the fence: nothing to refuse.
         nothing = what == "purge" and done == [] and not out["passed_checks"]
         out["refused"][what] = nothing
@@ -381,20 +385,18 @@ class ChaosOptions:
     etcd_members: int = 3
     config: Path = TINY
     recover_timeout: float = 240.0
+    netns: bool | None = None  # nodes in network namespaces; None: when cut_link can run
     say: Callable[[str], None] = field(default=lambda line: None)
 
 
 def available_kinds(etcd_members: int) -> tuple[list[str], dict[str, str]]:
     """The kinds this machine can inject, and why each other kind is skipped."""
-    skipped = {
-        "cut_link": "not implemented yet: the agents would have to run in network namespaces "
-        "from the start (tests/multinode does that for its scenarios)"
-    }
-    if (
-        shutil.which("ip") is None
-        or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode
-    ):
-        skipped["cut_link"] = "'ip netns' does not work here (needs root)"
+    from elastic.tools.faults import netns_usable
+
+    skipped: dict[str, str] = {}
+    why = netns_usable()
+    if why:
+        skipped["cut_link"] = f"network namespaces are unusable here: {why}"
     if etcd_members < 3:
         skipped["etcd_member"] = "etcd runs as one member: a member loss is a full outage"
     return [k for k in KINDS if k not in skipped], skipped
@@ -438,7 +440,7 @@ class Chaos:
         self.run_id = f"chaos-{opts.seed}-{stamp}"
         self.run_dir = (opts.runs_dir / self.run_id).resolve()
         self.max_steps = opts.max_steps or max(
-            2 * opts.interval, int(opts.minutes * 60 / opts.step_s * 0.9)
+            2 * opts.interval, int(opts.minutes * 60 / opts.step_s)
         )
         self.faults: list[Fault] = []
         self.members: list[EtcdServer] = []
@@ -446,9 +448,12 @@ class Chaos:
         self.exited_ok_required: set[str] = set()
         self.killed: set[str] = set()
         self.stale_results: list[dict[str, Any]] = []
+        self.stale_procs: list[tuple[subprocess.Popen[str], int]] = []
         self.old_spec: str | None = None
         self.immutable: list[Path] = []
         self._names = 0
+        self.net: Net | None = None
+        self.netns_of: dict[str, str] = {}
         self.kinds, self.skipped = available_kinds(opts.etcd_members)
         if opts.kinds:
             unknown = [k for k in opts.kinds if k not in KINDS]
@@ -474,7 +479,17 @@ class Chaos:
         }
 
     def start_etcd(self) -> str:
-        if self.opts.etcd_members >= 3:
+        use_netns = self.opts.netns if self.opts.netns is not None else "cut_link" in self.kinds
+        if use_netns:
+            self.net = Net().up()
+        if self.net is not None:
+            size = max(1, self.opts.etcd_members)
+            try:
+                self.members = start_members(self.run_dir / "etcd", size, self.net.gateway)
+            except BaseException:
+                self.net.close()
+                raise
+        elif self.opts.etcd_members >= 3:
             try:
                 self.members = start_cluster(self.run_dir / "etcd", self.opts.etcd_members)
             except Exception as exc:
@@ -496,6 +511,18 @@ class Chaos:
     def new_name(self) -> str:
         self._names += 1
         return f"n{self._names}"
+
+    def start_node(self) -> str:
+        """Start one more agent (in a namespace of its own under ``netns``); its name."""
+        name = self.new_name()
+        if self.net is None:
+            self.cluster.start(name)
+        else:
+            ns, addr = self.net.add_node()
+            self.netns_of[name] = ns
+            self.cluster.start(name, netns=ns, addr=addr)
+        self.exited_ok_required.add(name)
+        return name
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -722,10 +749,19 @@ class Chaos:
         fault.detail = f"exit code {node.proc.returncode}"
 
     def _join(self, fault: Fault) -> None:
-        name = self.new_name()
-        fault.node = name
-        self.cluster.start(name)
-        self.exited_ok_required.add(name)
+        fault.node = self.start_node()
+
+    def _cut_link(self, fault: Fault) -> None:
+        assert self.net is not None, "cut_link runs only with the nodes in namespaces"
+        node = self._victim()
+        seconds = round(self.rng.uniform(3.0, 8.0), 1)
+        fault.node, fault.detail = node.name, f"link down {seconds} s"
+        ns = self.netns_of[node.name]
+        self.net.link(ns, False)
+        try:
+            self.pause(seconds)
+        finally:
+            self.net.link(ns, True)
 
     def _stop_cont(self, fault: Fault) -> None:
         node = self._victim()
@@ -795,7 +831,10 @@ class Chaos:
         spec = FenceSpec(**json.loads(self.old_spec)) if self.old_spec else None
         current = self.current_round()
         if spec is None or spec.round >= current:
-            spec = FenceSpec(self.endpoint, PREFIX, self.run_id, max(0, current - 1))
+            if current == 0:
+                fault.hit, fault.detail = False, "no older round exists yet; no writer started"
+                return
+            spec = FenceSpec(self.endpoint, PREFIX, self.run_id, current - 1)
         step = max(self.observer.seen.markers, default=self.opts.interval)
         argv = [
             sys.executable,
@@ -807,14 +846,27 @@ class Chaos:
             self.run_id,
             str(step),
         ]
-        out = subprocess.run(argv, env=self.environ(), capture_output=True, text=True, timeout=120)
-        try:
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            result = {"error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
-        result["step"] = step
-        self.stale_results.append(result)
-        fault.detail = f"round {spec.round} (current {current}) at step {step}"
+        # Importing torch takes a minute on loaded cores: the writer runs beside the job
+        # (as a stale process would) and its verdict is collected after the job ends.
+        proc = subprocess.Popen(
+            argv, env=self.environ(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.stale_procs.append((proc, step))
+        fault.detail = f"round {spec.round} (current {current}) at step {step}, pid {proc.pid}"
+
+    def collect_stale(self) -> None:
+        """Wait for the stale writers and keep what each one reported."""
+        for proc, step in self.stale_procs:
+            try:
+                out, err = proc.communicate(timeout=300)
+                result = json.loads(out.strip().splitlines()[-1])
+            except (ValueError, IndexError, subprocess.TimeoutExpired) as exc:
+                kill(proc.pid)
+                out, err = proc.communicate()
+                result = {"error": f"{type(exc).__name__}, exit {proc.returncode}: {err[-2000:]}"}
+            result["step"] = step
+            self.stale_results.append(result)
+        self.stale_procs.clear()
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -852,9 +904,7 @@ class Chaos:
         try:
             self.observer.start()
             for _ in range(opts.agents):
-                name = self.new_name()
-                self.cluster.start(name)
-                self.exited_ok_required.add(name)
+                self.start_node()
             begin = Fault("start", started, 0, t_end=started)
             self.wait_stable(begin)
             if begin.error:
@@ -865,7 +915,7 @@ class Chaos:
             for kind, gap in zip(schedule, [*gaps[1:], 0.0], strict=True):
                 while time.time() < next_at and self.cluster.running():
                     self.pause(0.2)
-                if time.time() > window_end or self.last_step() > 0.85 * self.max_steps:
+                if time.time() > window_end or self.last_step() > 0.9 * self.max_steps:
                     break
                 if not self.cluster.running():
                     break
@@ -879,7 +929,10 @@ class Chaos:
                 )
                 next_at = max(time.time() + 2 * opts.step_s, fault.t + gap)
             codes = self.wait_end()
+            self.collect_stale()
         finally:
+            for proc, _ in self.stale_procs:
+                kill(proc.pid)
             for pid in list(self.stopped):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGCONT)
@@ -889,6 +942,8 @@ class Chaos:
             orphans = self.cluster.close()
             for m in self.members:
                 m.stop(signal.SIGKILL)
+            if self.net is not None:
+                self.net.close()
         ended = time.time()
         report = self.report(started, ended, codes, orphans)
         (self.run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
