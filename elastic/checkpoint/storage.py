@@ -189,9 +189,9 @@ class HashingWriter(FsspecWriter):
         return record
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        """Write this rank's items into ``<prefix>0.distcp``: non-tensor items first (their
-        ``torch.save`` bytes), then every tensor's raw bytes, checksummed beside the writes
-        and fsynced once."""
+        """Write this rank's items into ``<prefix>0.distcp`` in plan order (tensors as their
+        raw bytes, other values as their ``torch.save`` bytes), checksummed beside the
+        writes and fsynced once."""
         if sys.byteorder != "little":  # RAW_FORMAT is little-endian: torch's records instead
             return super().write_data(plan, planner)
         storage: _StoragePrefix = plan.storage_data
@@ -221,13 +221,9 @@ class HashingWriter(FsspecWriter):
                 WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=info)
             )
             offset += view.nbytes
-        record = self._record(name)
         with self._open_stream(path, "wb") as stream:
             size, crc = write_views(stream, [view for _, view, _ in blobs])
-        record.update(size=size, crc32=f"{crc:08x}")
-        for _, view, _ in blobs:
-            view.release()
-        del keep
+        self._record(name).update(size=size, crc32=f"{crc:08x}")  # closed, and durable
         future: TorchFuture[list[WriteResult]] = TorchFuture()
         future.set_result(results)
         return future
