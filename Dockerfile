@@ -56,8 +56,23 @@ COPY elastic /app/elastic
 COPY agents /app/agents
 COPY configs /app/configs
 COPY docker/entrypoint.sh /usr/local/bin/elastic-entrypoint
+COPY docker/etcd-init.py /usr/local/bin/elastic-etcd-init
 RUN pip install --no-deps --no-build-isolation /app && rm -rf /app/build /app/*.egg-info \
-    && chmod 0755 /usr/local/bin/elastic-entrypoint && elastic-agent --help >/dev/null
+    && chmod 0755 /usr/local/bin/elastic-entrypoint /usr/local/bin/elastic-etcd-init \
+    && elastic-agent --help >/dev/null
+
+# The agent runs as an unprivileged user (numeric, so that a runtime can check runAsNonRoot).
+# It writes only /checkpoints (a volume: a new named volume takes this directory's owner),
+# /dev/shm (per-step snapshots of the model: give the container shm_size), /tmp and its home.
+# Secret files it reads (docker/gen-secrets.sh) must belong to this uid: AGENT_UID.
+ARG AGENT_UID=10001
+RUN set -eux; \
+    groupadd --system --gid "$AGENT_UID" elastic; \
+    useradd --system --uid "$AGENT_UID" --gid "$AGENT_UID" --home-dir /home/elastic \
+        --create-home --shell /usr/sbin/nologin elastic; \
+    install -d -o "$AGENT_UID" -g "$AGENT_UID" -m 0750 /checkpoints
+ENV HOME=/home/elastic
+USER ${AGENT_UID}:${AGENT_UID}
 
 # One node's agent; the arguments are elastic-agent's (torchrun's) options and the worker.
 # The entrypoint adds --local-addr=<this container's IP> and execs elastic-agent as PID 1, so

@@ -27,6 +27,18 @@ from tests.helpers import wait_until as _wait_until
 
 T = TypeVar("T")
 
+AGENT_UID = 10001  # the agent image's user (Dockerfile: AGENT_UID)
+ETCD_USER = "elastic"
+# docker/gen-secrets.sh's secret files (their values must never leak), and its private keys
+SECRET_FILES = (
+    "job-secret",
+    "etcd-password",
+    "etcd-root-password",
+    "s3-access-key",
+    "s3-secret-key",
+)
+KEY_FILES = ("ca.key", "etcd.key", "client.key")
+
 
 def run(
     cmd: list[str], timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
@@ -92,6 +104,14 @@ class Cluster:
         self.dir = tmp / "checkpoints"
         self.dir.mkdir()
         self.etcd_port = free_port()
+        # Fresh secrets per cluster (etcd TLS + passwords, the job secret, S3 keys), as
+        # .ci/docker-setup.sh makes them for `docker compose up` by hand.
+        self.secrets = tmp / "secrets"
+        made = run(["bash", "docker/gen-secrets.sh", str(self.secrets)], check=False)
+        if made.returncode != 0:
+            pytest.fail(f"docker/gen-secrets.sh failed:\n{made.stderr[-3000:]}")
+        # The agents (uid AGENT_UID) write the bind-mounted checkpoint directory.
+        os.chown(self.dir, AGENT_UID, AGENT_UID)
         self.env_file = tmp / "agent.env"
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in overrides.items()))
         self.env = {
@@ -102,6 +122,7 @@ class Cluster:
             "ELASTIC_ETCD_PORT": str(self.etcd_port),
             "ELASTIC_CHECKPOINTS": str(self.dir),
             "ELASTIC_ENV_FILE": str(self.env_file),
+            "ELASTIC_SECRETS_DIR": str(self.secrets),
             "ELASTIC_RUN_ID": self.run_id,
             "ELASTIC_STOP_GRACE": "120s",
         }
@@ -144,6 +165,73 @@ class Cluster:
         except OSError:  # not listening yet
             return None
         return float(result[0]["value"][1]) if result else None
+
+    def etcd_args(self) -> list[str]:
+        """``elastic status``'s options to reach this cluster's etcd from the host: TLS with
+        the client certificate, and the agents' user (its password from the file)."""
+        return [
+            "--etcd",
+            f"https://127.0.0.1:{self.etcd_port}",
+            "--cacert",
+            str(self.secrets / "ca.crt"),
+            "--cert",
+            str(self.secrets / "client.crt"),
+            "--key",
+            str(self.secrets / "client.key"),
+            "--user",
+            ETCD_USER,
+            "--password-file",
+            str(self.secrets / "etcd-password"),
+        ]
+
+    def etcd_client(self, user: str | None = None, password: str | None = None) -> Any:
+        """An EtcdClient from the host over TLS (client certificate), logged in as ``user``
+        (None: no login)."""
+        from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
+
+        endpoints, _ = parse_endpoints(f"127.0.0.1:{self.etcd_port}")
+        return EtcdClient(
+            EtcdOptions(
+                endpoints,
+                tls=True,
+                ca_cert=str(self.secrets / "ca.crt"),
+                cert=str(self.secrets / "client.crt"),
+                key=str(self.secrets / "client.key"),
+                user=user,
+                password=password,
+                connect_timeout=10,
+                request_timeout=10,
+            )
+        )
+
+    def secret(self, name: str) -> str:
+        return (self.secrets / name).read_text().strip()
+
+    def secret_values(self) -> list[str]:
+        """Every generated secret value, and every line of the private keys."""
+        values = [self.secret(name) for name in SECRET_FILES]
+        for name in KEY_FILES:
+            values += [
+                line
+                for line in (self.secrets / name).read_text().splitlines()
+                if line and not line.startswith("-----")
+            ]
+        assert all(len(v) >= 16 for v in values), "gen-secrets.sh made a short secret"
+        return values
+
+    def assert_no_secret_in(self, container: str) -> None:
+        """No secret value in ``docker inspect`` (env, command, mounts, labels: all of it)
+        nor in the container's logs."""
+        described = run(["docker", "inspect", container]).stdout
+        logs = run(["docker", "logs", container], timeout=60)
+        for value in self.secret_values():
+            assert value not in described, f"a secret shows in `docker inspect {container}`"
+            assert value not in logs.stdout + logs.stderr, f"a secret is in {container}'s logs"
+        config = json.loads(described)[0]["Config"]
+        assert not any(
+            e.split("=", 1)[0].endswith(("PASSWORD", "SECRET_ACCESS_KEY", "ACCESS_KEY_ID"))
+            for e in config["Env"] or []
+        ), config["Env"]
 
     def agents(self) -> list[str]:
         """Container ids of the agent replicas, running or not."""

@@ -20,7 +20,7 @@ import pytest
 from elastic.checkpoint import find_latest_complete
 from elastic.checkpoint.layout import inspect_step
 from elastic.etcd.server import free_port
-from tests.e2e.conftest import Cluster, run, wait_until
+from tests.e2e.conftest import AGENT_UID, ETCD_USER, Cluster, run, wait_until
 from tests.helpers import REPO
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
@@ -43,6 +43,75 @@ TINY = {
     # Keep every step so that the test can inspect each checkpoint a worker loaded.
     "ELASTIC_CHECKPOINT__KEEP_LAST": 1000,
 }
+
+
+def assert_locked_down(cluster: Cluster, agents: list[str], service: str = "agent") -> None:
+    """etcd refuses whoever has not logged in, the agents run as a non-root user, and no
+    secret shows in `docker inspect` or the logs of the agents (nor of etcd-init)."""
+    import grpc
+
+    from elastic.errors import EtcdConnectionError
+
+    # etcdctl in the etcd container, with a valid client certificate but no user: refused.
+    anonymous = cluster.compose(
+        "exec",
+        "-T",
+        "etcd",
+        "/usr/local/bin/etcdctl",
+        "--endpoints=https://127.0.0.1:2379",
+        "--cacert=/run/secrets/etcd-ca",
+        "--cert=/run/secrets/etcd-server-cert",
+        "--key=/run/secrets/etcd-server-key",
+        "get",
+        "--prefix",
+        "/elastic/",
+        check=False,
+        timeout=60,
+    )
+    assert anonymous.returncode != 0 and "permission denied" in anonymous.stderr, anonymous
+    assert "/elastic/" not in anonymous.stdout
+    # etcdctl without TLS (plain http to the TLS port): no answer at all.
+    plain = cluster.compose(
+        "exec",
+        "-T",
+        "etcd",
+        "/usr/local/bin/etcdctl",
+        "--endpoints=http://127.0.0.1:2379",
+        "--command-timeout=3s",
+        "get",
+        "/",
+        check=False,
+        timeout=60,
+    )
+    assert plain.returncode != 0, plain
+    # From the host: no login, a wrong password, and another user's key space are refused;
+    # the agents' user reads its run's keys.
+    with cluster.etcd_client() as anonymous_client:
+        with pytest.raises(grpc.RpcError) as refused:
+            anonymous_client.range(b"/elastic/", prefix=True)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    with (
+        cluster.etcd_client(ETCD_USER, "not-the-password") as wrong,
+        pytest.raises(EtcdConnectionError, match="refused the login"),
+    ):
+        wrong.range(b"/elastic/", prefix=True)
+    with cluster.etcd_client(ETCD_USER, cluster.secret("etcd-password")) as agent_user:
+        assert agent_user.range(b"/elastic/", prefix=True).count > 0
+        with pytest.raises(grpc.RpcError) as outside:
+            agent_user.put(b"/not-elastic", b"x")
+        assert outside.value.code() == grpc.StatusCode.PERMISSION_DENIED, outside.value
+
+    # The agents run as the image's unprivileged user: the exec'd shell and PID 1 (the agent).
+    uids = cluster.compose(
+        "exec", "-T", service, "sh", "-c", "id -u; awk '/^Uid:/ {print $2}' /proc/1/status"
+    ).stdout.split()
+    assert uids == [str(AGENT_UID)] * 2, uids
+    for container in agents:
+        assert cluster.inspect(container)["Config"]["User"] == f"{AGENT_UID}:{AGENT_UID}"
+        assert cluster.inspect(container)["HostConfig"]["ShmSize"] >= 1 << 30
+        cluster.assert_no_secret_in(container)
+    for container in cluster.compose("ps", "-a", "-q", "etcd-init").stdout.split():
+        cluster.assert_no_secret_in(container)
 
 
 def step_at_world(cluster: Cluster, after: float, world: int, timeout: float = 180) -> dict:
@@ -113,15 +182,15 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     print(f"world 2 trains after {time.monotonic() - t0:.1f} s (step {first['step']})")
     seen_from = prometheus_sees_world(cluster, 2)
 
-    # `elastic status` from the host, through the published (127.0.0.1-only) etcd port.
+    # `elastic status` from the host, through the published (127.0.0.1-only) etcd port: TLS
+    # with the client certificate, the agents' etcd user, the job secret to check signatures.
     status = run(
         [
             sys.executable,
             "-m",
             "elastic.tools.cli",
             "status",
-            "--etcd",
-            f"127.0.0.1:{cluster.etcd_port}",
+            *cluster.etcd_args(),
             "--run-id",
             cluster.run_id,
             "--checkpoint-url",
@@ -129,8 +198,10 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
             "--json",
         ],
         timeout=60,
+        env={**os.environ, "ELASTIC_SECRET_FILE": str(cluster.secrets / "job-secret")},
     )
     assert json.loads(status.stdout), status.stdout
+    assert_locked_down(cluster, cluster.running_agents())
 
     # Add a node.
     wait_until(lambda: cluster.last_step() >= first["step"] + 10, 120, "10 steps at world 2")
@@ -244,6 +315,8 @@ def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
     assert len(agents) == 2
     assert not cluster.agents(), "naming agent-s3 must not start the volume-backed agents"
     first = step_at_world(cluster, 0, 2, timeout=240)
+    cluster.profiles.append("s3")
+    assert_locked_down(cluster, agents, service="agent-s3")
     wait_until(lambda: cluster.last_step() >= first["step"] + 25, 180, "a checkpoint at world 2")
 
     before, left_at = cluster.last_step(), time.time()
@@ -262,7 +335,9 @@ def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
     loads = cluster.events("ckpt.load")
     assert loads and all(e["url"].startswith("s3://") for e in loads), loads
     fs = s3fs.S3FileSystem(
-        endpoint_url=f"http://127.0.0.1:{s3_port}", key="elastic", secret="elastic-secret"
+        endpoint_url=f"http://127.0.0.1:{s3_port}",
+        key=cluster.secret("s3-access-key"),
+        secret=cluster.secret("s3-secret-key"),
     )
     root = f"elastic/checkpoints/{cluster.run_id}"
     final = f"{root}/step-{S3_MAX_STEPS}/COMMIT.json"
