@@ -386,6 +386,7 @@ class ChaosOptions:
     config: Path = TINY
     recover_timeout: float = 240.0
     netns: bool | None = None  # nodes in network namespaces; None: when cut_link can run
+    faults: int | None = None  # inject this many (however long they take); default: by time
     say: Callable[[str], None] = field(default=lambda line: None)
 
 
@@ -439,9 +440,8 @@ class Chaos:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_id = f"chaos-{opts.seed}-{stamp}"
         self.run_dir = (opts.runs_dir / self.run_id).resolve()
-        self.max_steps = opts.max_steps or max(
-            2 * opts.interval, int(opts.minutes * 60 / opts.step_s)
-        )
+        fault_s = opts.minutes * 60 if opts.faults is None else opts.faults * (opts.every_s + 10)
+        self.max_steps = opts.max_steps or max(2 * opts.interval, int(fault_s / opts.step_s) + 40)
         self.faults: list[Fault] = []
         self.members: list[EtcdServer] = []
         self.stopped: set[int] = set()
@@ -745,8 +745,9 @@ class Chaos:
         fault.node = node.name
         self.exited_ok_required.add(node.name)
         self.cluster.leave(node.name)
-        node.wait(120)
-        fault.detail = f"exit code {node.proc.returncode}"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.wait(120)
+        fault.detail = f"exit code {node.proc.poll()}"
 
     def _join(self, fault: Fault) -> None:
         fault.node = self.start_node()
@@ -879,7 +880,7 @@ class Chaos:
         os.close(fd)
         self.ckpt = self.run_dir / "ckpt"
         self.endpoint = self.start_etcd()
-        n_faults = max(1, int(opts.minutes * 60 / opts.every_s))
+        n_faults = opts.faults or max(1, int(opts.minutes * 60 / opts.every_s))
         schedule = plan(
             self.rng, self.kinds, n_faults, opts.agents, opts.min_agents, opts.max_agents
         )
@@ -910,7 +911,7 @@ class Chaos:
             if begin.error:
                 raise RuntimeError(f"The job did not start: {begin.error}. Logs: {self.run_dir}")
             self.capture_spec()
-            window_end = time.time() + opts.minutes * 60
+            window_end = time.time() + opts.minutes * 60 if opts.faults is None else math.inf
             next_at = time.time() + gaps[0]
             for kind, gap in zip(schedule, [*gaps[1:], 0.0], strict=True):
                 while time.time() < next_at and self.cluster.running():

