@@ -424,16 +424,10 @@ class _StateCollector(Collector):
 
 
 def _rendezvous_state(handler: Any) -> tuple[int, int, int] | None:
-    """(round, participants, waiting) from the state the handler last read; no etcd request.
-
-    torch's DynamicRendezvousHandler keeps it in ``_state_holder.state`` (the heartbeat
-    thread and the agent's monitor tick refresh it). It is read without the handler's
-    lock, which an etcd request may hold for seconds: ``len`` of a dict is atomic.
-    """
-    state = getattr(getattr(handler, "_state_holder", None), "state", None)
-    if state is None:
-        return None
-    return int(state.round), len(state.participants), len(state.wait_list)
+    """(round, participants, waiting) from the state the handler last read; no etcd request
+    (our handlers' ``round_view()``; None for any other handler)."""
+    view = getattr(handler, "round_view", None)
+    return view() if callable(view) else None
 
 
 def _op_name(fn: Callable[..., Any]) -> str:

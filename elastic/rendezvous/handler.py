@@ -195,6 +195,15 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
             self._outage_since = None
         return waiting
 
+    def round_view(self) -> tuple[int, int, int]:
+        """(round, participants, waiting) of the state this node last read; no etcd request.
+
+        For the metrics exporter: read without the handler's lock (an etcd request may hold
+        it for seconds); ``len`` of a dict is atomic.
+        """
+        state = self._holder.state
+        return int(state.round), len(state.participants), len(state.wait_list)
+
     def num_nodes_waiting(self) -> int:
         """torch's contract for any agent: > 0 when the group must re-form (see
         :meth:`membership_change`: also when a peer is lost or this node was dropped)."""

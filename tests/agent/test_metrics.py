@@ -55,7 +55,8 @@ def fake_handler(round_: int = 7, participants: int = 2, waiting: int = 1) -> An
         participants={f"node{i}": i for i in range(participants)},
         wait_list={f"late{i}" for i in range(waiting)},
     )
-    return SimpleNamespace(_state_holder=SimpleNamespace(state=state))
+    view = (state.round, len(state.participants), len(state.wait_list))
+    return SimpleNamespace(round_view=lambda: view)  # EtcdRendezvousHandler.round_view
 
 
 def worker_group(handler: Any, nodes: int, nproc: int) -> Any:
@@ -185,10 +186,8 @@ def test_etcd_requests_are_timed_and_failures_counted(
     assert errors == 1
 
 
-class _BrokenHolder:
-    @property
-    def state(self) -> Any:
-        raise RuntimeError("the state is gone")
+def _broken_view() -> Any:
+    raise RuntimeError("the state is gone")
 
 
 def test_errors_in_the_exporter_never_reach_the_agent(
@@ -200,7 +199,7 @@ def test_errors_in_the_exporter_never_reach_the_agent(
     assert exp is not None
     try:
         metrics.on_round(None)  # a hook given nonsense
-        metrics.on_round(worker_group(SimpleNamespace(_state_holder=_BrokenHolder()), 1, 1))
+        metrics.on_round(worker_group(SimpleNamespace(round_view=_broken_view), 1, 1))
         metrics.on_change("joiners")
         samples = scrape(exp.port)
         samples = scrape(exp.port)
