@@ -103,32 +103,67 @@ def tolerate(exc: grpc.RpcError, *phrases: str) -> bool:
     return any(p in details for p in phrases)
 
 
-def ensure_user(client: EtcdClient, name: str, password: str) -> None:
+def login_works(anonymous: EtcdClient, name: str, password: str) -> bool:
+    """Whether etcd (auth on) accepts ``password`` for ``name``; changes nothing."""
     try:
+        auth_call(
+            anonymous, "Authenticate", etcdrpc.AuthenticateRequest(name=name, password=password)
+        )
+    except grpc.RpcError as exc:
+        if tolerate(exc, "invalid user id or password", "authentication failed"):
+            return False
+        raise
+    return True
+
+
+# Every change to users, roles or permissions bumps etcd's auth revision, and etcd then refuses
+# the requests of every logged-in client once ("revision of auth store is old") until it logs
+# in again: so change only what differs. An `up` that adds an agent reruns this service while
+# the others train.
+def ensure_user(
+    client: EtcdClient, anonymous: EtcdClient, enabled: bool, name: str, password: str, role: str
+) -> None:
+    try:
+        roles = list(auth_call(client, "UserGet", etcdrpc.AuthUserGetRequest(name=name)).roles)
+    except grpc.RpcError as exc:
+        if not tolerate(exc, "user name not found"):
+            raise
         auth_call(client, "UserAdd", etcdrpc.AuthUserAddRequest(name=name, password=password))
         log(f"user {name} created")
-    except grpc.RpcError as exc:
-        if not tolerate(exc, "already exists"):
-            raise
-        auth_call(
-            client,
-            "UserChangePassword",
-            etcdrpc.AuthUserChangePasswordRequest(name=name, password=password),
-        )
-        log(f"user {name}: password set from its secret file")
+        roles = []
+    else:
+        if not enabled or not login_works(anonymous, name, password):
+            auth_call(
+                client,
+                "UserChangePassword",
+                etcdrpc.AuthUserChangePasswordRequest(name=name, password=password),
+            )
+            log(f"user {name}: password set from its secret file")
+    if role not in roles:
+        auth_call(client, "UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user=name, role=role))
+        log(f"user {name}: role {role} granted")
 
 
-def ensure_role(client: EtcdClient, role: str) -> None:
+def ensure_role(client: EtcdClient, role: str, prefix: bytes) -> None:
+    """``role`` may read and write the keys under ``prefix``."""
+    wanted = auth_pb2.Permission(
+        permType=auth_pb2.Permission.READWRITE, key=prefix, range_end=prefix_end(prefix)
+    )
     try:
+        perms = list(auth_call(client, "RoleGet", etcdrpc.AuthRoleGetRequest(role=role)).perm)
+    except grpc.RpcError as exc:
+        if not tolerate(exc, "role name not found"):
+            raise
         auth_call(client, "RoleAdd", etcdrpc.AuthRoleAddRequest(name=role))
         log(f"role {role} created")
-    except grpc.RpcError as exc:
-        if not tolerate(exc, "already exists"):
-            raise
-
-
-def grant_role(client: EtcdClient, user: str, role: str) -> None:
-    auth_call(client, "UserGrantRole", etcdrpc.AuthUserGrantRoleRequest(user=user, role=role))
+        perms = []
+    if wanted not in perms:
+        auth_call(
+            client,
+            "RoleGrantPermission",
+            etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=wanted),
+        )
+        log(f"role {role}: read/write under {prefix.decode()} granted")
 
 
 def main() -> int:
@@ -152,24 +187,14 @@ def main() -> int:
             log(f"waiting for etcd: {exc}")
             time.sleep(1)
 
+    anonymous = EtcdClient(options())
     client = EtcdClient(options("root", root_password) if enabled else options())
     try:
         if enabled:
-            log("auth is enabled; logged in as root")
-        else:
-            ensure_user(client, "root", root_password)
-            grant_role(client, "root", "root")
-        ensure_role(client, role)
-        perm = auth_pb2.Permission(
-            permType=auth_pb2.Permission.READWRITE, key=prefix, range_end=prefix_end(prefix)
-        )
-        auth_call(
-            client,
-            "RoleGrantPermission",
-            etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
-        )
-        ensure_user(client, user, password)
-        grant_role(client, user, role)
+            log("auth is enabled; logging in as root")
+        ensure_user(client, anonymous, enabled, "root", root_password, "root")
+        ensure_role(client, role, prefix)
+        ensure_user(client, anonymous, enabled, user, password, role)
         if not enabled:
             auth_call(client, "AuthEnable", etcdrpc.AuthEnableRequest())
             log("auth enabled")
@@ -184,6 +209,7 @@ def main() -> int:
         raise
     finally:
         client.close()
+        anonymous.close()
     return 0
 
 
