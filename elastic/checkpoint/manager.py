@@ -168,10 +168,6 @@ class CheckpointManager:
         self._account(outcome)
         return outcome
 
-    def in_flight(self) -> bool:
-        """Whether a save is still being written."""
-        return self._pending is not None and not self._pending.done()
-
     def close(self) -> None:
         """Finish the save in flight (raises like :meth:`wait`)."""
         self.wait()
