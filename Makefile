@@ -19,6 +19,7 @@ demo: $(BIN)/elastic
 lint: $(BIN)/elastic
 	$(BIN)/ruff check elastic agents tests bench
 	$(BIN)/ruff format --check elastic agents tests bench
+	$(BIN)/mypy
 
 # The compose end-to-end test needs Docker: install it (apt, as root) and build the local
 # images when missing; idempotent and cached, seconds on a second run.
