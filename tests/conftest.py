@@ -13,6 +13,15 @@ from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer, start_etcd
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_config_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Local runs keep a generated signing secret under $XDG_CONFIG_HOME (elastic.secret):
+    the tests' own, never the user's ~/.config; every process a test starts inherits it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config-home")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd server for the whole session (tests separate themselves by run id)."""
