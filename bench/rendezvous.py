@@ -609,8 +609,6 @@ def measure_multi(algo: str, n: int, pool: Pool, server: EtcdServer) -> dict[str
     answers = pool.ask([{"cmd": "go"}] * procs)
     etcd_cpu = (proc_cpu_s(server_pid) if server_pid else 0.0) - etcd_cpu
     parent_cpu = proc_cpu_s(None) - parent_cpu  # the c10d store server lives here
-    pool.ask([{"cmd": "close"}] * procs)
-    del host
     rows = [row for answer in answers for row in answer["nodes"]]
     errors = sorted({r["error"] for r in rows if "error" in r})
     done = [r for r in rows if "finished" in r and "started" in r]
@@ -621,7 +619,7 @@ def measure_multi(algo: str, n: int, pool: Pool, server: EtcdServer) -> dict[str
     )
     excess = [r["requests"] - r["sync_waits"] for r in rows]
     cpu = sum(a["cpu_s"] for a in answers)
-    return {
+    row = {
         "nodes": n,
         "backend": algo,
         "processes": procs,
@@ -638,6 +636,12 @@ def measure_multi(algo: str, n: int, pool: Pool, server: EtcdServer) -> dict[str
         "ok": ranks_ok and not errors,
         "errors": errors[:3],
     }
+    try:
+        pool.ask([{"cmd": "close"}] * procs)
+    except RuntimeError as exc:  # a worker died while closing its nodes: keep the round
+        row["close_error"] = str(exc)
+    del host
+    return row
 
 
 def run_multi(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str, Any]:
@@ -656,9 +660,19 @@ def run_multi(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[st
                         rows.append({"nodes": n, "backend": algo, "skipped": given_up[algo]})
                         continue
                     load = os.getloadavg()[0]
-                    row = {**measure_multi(algo, n, pool, server), "repeat": k, "load": load}
+                    try:
+                        row = {**measure_multi(algo, n, pool, server), "repeat": k, "load": load}
+                    except RuntimeError as exc:  # a worker died (the OOM killer, say)
+                        rows.append({"nodes": n, "backend": algo, "ok": False, "error": str(exc)})
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                        pool.close()
+                        pool = Pool(args.procs, args)
+                        continue
                     print(json.dumps(row), file=sys.stderr, flush=True)
                     rows.append(row)
+                    if "close_error" in row:  # start afresh without the dead worker
+                        pool.close()
+                        pool = Pool(args.procs, args)
                     if not row["ok"] or row["seconds"] > args.max_round_s:
                         given_up[algo] = f"failed or over {args.max_round_s:g} s at N={n}"
     finally:

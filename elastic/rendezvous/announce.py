@@ -89,7 +89,7 @@ logger = logging.getLogger(__name__)
 
 etcdrpc = etcd_client.etcdrpc
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
-PROBE_EVERY_S = 1.0  # a node probes the peer it watches over this often
+PROBE_EVERY_S = 1.0  # a node probes the peer it watches over at least this often
 _IDLE_WATCH_S = 60.0  # a watch with nothing to wait for is renewed this often
 _RETRY_S = 0.5  # after a failed etcd request in the background loop
 _MIN_LEASE_TTL_S = 2  # etcd's smallest lease TTL with its default election timeout
@@ -664,28 +664,37 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
     def _monitor(self) -> None:
         """Keep this node's lease alive; probe the peer this node watches over."""
-        next_keepalive = 0.0
-        while not self._stopped.wait(min(PROBE_EVERY_S, self._interval)):
+        # Probes only need to beat the lease: a quarter of its TTL, between 1 and 5 s.
+        probe_every = min(max(PROBE_EVERY_S, self._ttl / 4), 5 * PROBE_EVERY_S)
+        next_keepalive = next_probe = time.monotonic() + min(probe_every, self._interval)
+        while not self._stopped.wait(max(0.0, min(next_keepalive, next_probe) - time.monotonic())):
             now = time.monotonic()
             try:
-                if now >= next_keepalive and self._member_lease:
-                    self.keepalives += 1
-                    if self._client.keepalive(self._member_lease) <= 0:
-                        logger.warning(
-                            "The etcd lease of node '%s' expired (an etcd outage, or this "
-                            "node was too slow to renew it); it will rejoin.",
-                            self._name,
-                        )
-                        with self._cond:
-                            self._expired = True
-                            self._cond.notify_all()
+                if now >= next_keepalive:
                     next_keepalive = now + self._interval
-                    self._outage(None)
-                self._probe_watched()
+                    self._keep_alive()
+                if now >= next_probe:
+                    next_probe = now + probe_every
+                    self._probe_watched()
             except (EtcdConnectionError, grpc.RpcError) as exc:
                 self._outage(exc)
             except Exception:
                 logger.exception("The liveness thread of '%s' failed; retrying.", self._name)
+
+    def _keep_alive(self) -> None:
+        if not self._member_lease or self._expired:
+            return
+        self.keepalives += 1
+        if self._client.keepalive(self._member_lease) <= 0:
+            logger.warning(
+                "The etcd lease of node '%s' expired (an etcd outage, or this node was too "
+                "slow to renew it); it will rejoin.",
+                self._name,
+            )
+            with self._cond:
+                self._expired = True
+                self._cond.notify_all()
+        self._outage(None)
 
     def _probe_watched(self) -> None:
         with self._cond:
