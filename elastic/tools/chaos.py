@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic import env
+from elastic import env, events
 from elastic.checkpoint.layout import COMMIT_MARKER, inspect_step, marker_digest
 from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
 from elastic.procs import WORKER_NAME, descendants, kill
@@ -59,6 +59,11 @@ LR = 0.005
 # leave 3e-5..1.1e-4 after 60-100 steps at LR; one step more or less at mid-training changes
 # some tensor by 5e-2. The threshold sits a decade from both.
 MODEL_RTOL = 1e-3
+
+# Largest relative difference between a kept step's loss and the fault-free run's. Measured:
+# the float drift between world sizes reaches 5e-5 after 240 steps; redoing or skipping one
+# step mid-training moves the loss by ~1e-2.
+LOSS_RTOL = 1e-3
 
 KINDS: Mapping[str, str] = {
     "kill_agent": "kill -9 of a whole node (agent and worker)",
@@ -454,6 +459,8 @@ class Chaos:
         self._names = 0
         self.net: Net | None = None
         self.netns_of: dict[str, str] = {}
+        self.reference_losses: dict[int, float] = {}
+        self.loss_drift: dict[str, float] = {}
         self.kinds, self.skipped = available_kinds(opts.etcd_members)
         if opts.kinds:
             unknown = [k for k in opts.kinds if k not in KINDS]
@@ -982,9 +989,36 @@ class Chaos:
             str(self.opts.config),
             *(f"{k}={v}" for k, v in values.items()),
         ]
-        environ = {k: v for k, v in self.environ().items() if k != env.EVENT_LOG}
+        log = self.run_dir / "reference-events.jsonl"
+        environ = {**self.environ(), env.EVENT_LOG: str(log)}
         subprocess.run(argv, env=environ, cwd=REPO, check=True, capture_output=True, timeout=1800)
+        self.reference_losses = {e["step"]: e["loss"] for e in events.read(log, "train.step")}
         return self.final_model(url)
+
+    def loss_problems(self) -> tuple[int, list[str]]:
+        """Compare every kept step's loss with the fault-free run's; (checks, problems).
+
+        Lost or corrupt state shows as a jump at one step (a step more or less mid-training
+        changes the loss by ~1e-2); the float-summation drift between world sizes grows
+        smoothly and stays far below :data:`LOSS_RTOL`.
+        """
+        kept: dict[int, float] = {}
+        for e in self.tail.of("train.step"):
+            kept[e["step"]] = e["loss"]
+        worst, at = 0.0, 0
+        problems = []
+        for step, loss in sorted(kept.items()):
+            ref = self.reference_losses.get(step)
+            if ref is None:
+                problems.append(f"the fault-free run has no step {step}")
+                continue
+            rel = abs(loss - ref) / max(abs(ref), 1e-12)
+            if rel > worst:
+                worst, at = rel, step
+            if rel >= LOSS_RTOL:
+                problems.append(f"step {step}: loss {loss} vs {ref} fault-free ({rel:.1e})")
+        self.loss_drift = {"worst_rel": worst, "at_step": at}
+        return len(kept), problems
 
     def final_model(self, url: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
@@ -1092,10 +1126,21 @@ class Chaos:
             self.worst_model_diff = worst
         except Exception as exc:  # a missing checkpoint is a failed check, not a crash
             diffs, model, self.worst_model_diff = {}, [f"{type(exc).__name__}: {exc}"], math.inf
+        losses, loss_problems = self.loss_problems() if self.reference_losses else (0, [])
+        if model and losses and not loss_problems:
+            model.append(
+                f"every step's loss agrees with the fault-free run within "
+                f"{self.loss_drift['worst_rel']:.1e}: float-summation drift, no lost state"
+            )
         check(
             f"final model equals the fault-free run (relative L2 < {MODEL_RTOL:g} per tensor)",
             len(diffs),
             model,
+        )
+        check(
+            f"every kept step's loss equals the fault-free run's (relative < {LOSS_RTOL:g})",
+            losses,
+            loss_problems or ([] if losses else ["the fault-free run recorded no losses"]),
         )
         return checks
 
@@ -1162,6 +1207,7 @@ class Chaos:
             "steps_lost": {"total": sum(lost), "worst": max(lost, default=0)},
             "time": self.effective(started),
             "worst_model_rel_l2": getattr(self, "worst_model_diff", None),
+            "loss_drift": self.loss_drift,
             "exit_codes": dict(codes),
             "invariants": invariants,
             "ok": all(c["ok"] for c in invariants),
