@@ -1,4 +1,8 @@
-"""Time and count one rendezvous round: our ``etcd-v3`` backend vs torch's ``c10d``, one run.
+"""Time and count one rendezvous round: our ``etcd-v3`` handlers vs torch's ``c10d``, one run.
+
+Default (multi-process): ``single-key``, ``announce`` and ``c10d`` at each N, the nodes spread
+over ``--procs`` worker processes; see bench/README-rendezvous.md. ``--single-process`` runs
+the earlier bench described below (single-key vs c10d, every node a thread of this process).
 
 Method. For each node count N (``--nodes``, default 8,32,128) and each repeat,
 both backends run one fresh rendezvous (a new run id) with the same settings:
@@ -47,7 +51,7 @@ backends (heartbeat writes outpace the successful compare-and-sets and live
 nodes are dropped as dead). The bench therefore replaces it, for both
 backends, with a frame lookup; ``--torch-method-names`` keeps torch's.
 
-Usage: ``python bench/rendezvous.py [--nodes 8,32,128] [--repeats K] [--json-out PATH]``
+Usage: ``python bench/rendezvous.py [--single-process] [--nodes 8,32,128] [--repeats K]``
 """
 
 from __future__ import annotations

@@ -868,7 +868,9 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         ready, running = self._ready()
         doc = self._doc
         lost = sorted(set(doc.get("members", {})) - set(self._members))
-        if not doc.get("closed") and len(ready) >= self._min_nodes:
+        # A full round that nobody asked to leave goes on; newcomers wait for room.
+        candidates = ready if not running or self._waiting(ready, lost) else []
+        if not doc.get("closed") and len(candidates) >= self._min_nodes:
             if self._first_ready is None:
                 self._first_ready = now
             if len(ready) >= self._max_nodes:
@@ -878,14 +880,30 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             if quiet <= 0 and (not running or patience <= 0):
                 return "publish", 0.0
             left = quiet if quiet > 0 else patience
-            if (bool(doc.get("waiting")) != bool(ready)) or lost != doc.get("lost", []):
+            if self._news(ready, running, lost):
                 return "update", left
             return "wait", left
-        if not ready:
+        if not candidates:
             self._first_ready = None
-        if (bool(doc.get("waiting")) != bool(ready)) or lost != doc.get("lost", []):
+        if self._news(ready, running, lost):
             return "update", _IDLE_WATCH_S
         return "wait", _IDLE_WATCH_S
+
+    def _news(self, ready: list[Member], running: list[Member], lost: list[str]) -> bool:
+        """Whether the running round must hear of waiting nodes or lost members (only a
+        change of "anyone waiting?" counts, so a burst of joiners is one write)."""
+        doc = self._doc
+        if lost != doc.get("lost", []):
+            return True
+        return bool(running) and bool(doc.get("waiting")) != bool(self._waiting(ready, lost))
+
+    def _waiting(self, ready: list[Member], lost: list[str]) -> int:
+        """Ready nodes a new round could take: members that asked for one, and newcomers
+        while the round has room (at ``max_nodes`` they wait, as torch's redundancy list)."""
+        current = self._doc.get("members", {})
+        asked = sum(1 for m in ready if m.name in current)
+        room = len(current) < self._max_nodes or bool(lost)
+        return asked + (len(ready) - asked if room else 0)
 
     def _close_step(self) -> None:
         if not self._members_seen:
@@ -1018,9 +1036,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             round_ = int(self._doc.get("round", -1)) + 1
             if self._high is not None:
                 round_ = max(round_, self._high + 1)
-            doc = self._round_doc(round_, chosen)
-            waiting = len(ready) - len(chosen)
-            doc["waiting"] = waiting
+            doc = self._round_doc(round_, chosen)  # the rest wait: the round is full
         response = self._fenced_put(doc, round_)
         if not response.succeeded:
             return
@@ -1043,8 +1059,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         with self._cond:
             ready, _ = self._ready()
             doc = dict(self._doc)
-            doc["waiting"] = len(ready)
             doc["lost"] = sorted(set(doc.get("members", {})) - set(self._members))
+            doc["waiting"] = self._waiting(ready, doc["lost"])
         response = self._fenced_put(doc, None)
         if response.succeeded:
             with self._cond:

@@ -3,12 +3,18 @@ handlers in threads: forming rounds, joiners, deaths, bursts, and its etcd cost.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousInfo,
+    RendezvousParameters,
+)
 
 from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.announce import AnnounceRendezvousHandler, build_announce_handler
@@ -212,3 +218,34 @@ def test_etcd_requests_per_node_per_round(nodes: Callable[[str], Nodes], n: int)
     spent = {name: after[name] - before[name] for name in before}
     worst = max(spent.values())
     assert worst <= MAX_REQUESTS_PER_ROUND, spent
+
+
+def test_nodes_beyond_max_nodes_wait_without_breaking_up_a_full_round(
+    nodes: Callable[[str], Nodes],
+) -> None:
+    """A full round (max_nodes) is not re-formed for a node that could not join it (torch's
+    redundancy list); once a member is lost, the waiting node takes its place."""
+    run = nodes("1:2")
+    first = run.add(2)
+    join_all(first)
+    [extra] = run.add(1)
+    joined: dict[str, RendezvousInfo] = {}
+
+    def join() -> None:
+        with contextlib.suppress(RendezvousClosedError):
+            joined["x"] = extra.next_rendezvous()
+
+    threading.Thread(target=join, daemon=True).start()
+    closer = next(h for h in first if h._closer)
+    wait_until(lambda: extra.name in closer._members, 30, "the closer to see the extra node")
+    settled = time.monotonic() + 1.5
+    wait_until(lambda: time.monotonic() > settled, 5, "the closer to act on it")
+    assert all(h.membership_change() is None for h in first)
+    leaver = next(h for h in first if h is not closer)
+    leaver.leave()
+    change = wait_until(closer.membership_change, 30, "the closer to see the loss")
+    assert change.kind is ChangeKind.PEERS_LOST
+    infos = join_all([closer])
+    wait_until(lambda: "x" in joined, 30, "the waiting node to join")
+    infos[extra.name] = joined["x"]
+    assert_one_round(infos, [closer, extra])
