@@ -26,6 +26,7 @@ import contextlib
 import logging
 import mmap
 import os
+import queue
 import re
 import struct
 import threading
@@ -295,6 +296,8 @@ class Snapshotter:
     def __init__(self, store: SnapshotStore) -> None:
         self.store = store
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: threading.Event | None = None
         self._error: BaseException | None = None
         self._pinned: dict[int, torch.Tensor] = {}
         self._side: Any = None
@@ -332,11 +335,20 @@ class Snapshotter:
                 dst.copy_(t)
         self.stats["sync_s"] += time.perf_counter() - started
         self.stats["bytes"] = size
-        args = (f, later, events, step, round_, len(meta), size, data_off)
-        self._thread = threading.Thread(
-            target=self._finish, args=args, name="elastic-snapshot", daemon=True
-        )
-        self._thread.start()
+        done = threading.Event()
+        self._jobs.put((done, (f, later, events, step, round_, len(meta), size, data_off)))
+        self._pending = done
+        if self._thread is None:  # one long-lived copier: no thread start per step
+            self._thread = threading.Thread(target=self._loop, name="elastic-snapshot", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            done, args = self._jobs.get()
+            try:
+                self._finish(*args)
+            finally:
+                done.set()
 
     def _to_host(self, i: int, t: torch.Tensor, stable: bool, events: list[Any]) -> torch.Tensor:
         """Issue a device-to-host copy into a pinned buffer; the caller waits on ``events``."""
@@ -389,11 +401,11 @@ class Snapshotter:
         Raises:
             RecoveryError: the background copy failed.
         """
-        thread, self._thread = self._thread, None
-        if thread is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
         started = time.perf_counter()
-        thread.join()
+        pending.wait()
         self.stats["wait_s"] += time.perf_counter() - started
         error, self._error = self._error, None
         if error is not None:
