@@ -90,6 +90,7 @@ logger = logging.getLogger(__name__)
 etcdrpc = etcd_client.etcdrpc
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
 PROBE_EVERY_S = 1.0  # a node probes the peer it watches over at least this often
+_PROBES_PER_TICK = 8  # the closer probes at most this many nodes each time
 _IDLE_WATCH_S = 60.0  # a watch with nothing to wait for is renewed this often
 _RETRY_S = 0.5  # after a failed etcd request in the background loop
 _MIN_LEASE_TTL_S = 2  # etcd's smallest lease TTL with its default election timeout
@@ -320,6 +321,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._high: int | None = None  # the fence's high mark (None: absent)
         self._last_change = time.monotonic()
         self._first_ready: float | None = None
+        self._probe_turn = 0
         # The agent's view.
         self._joined_round: int | None = None
         self._peers: frozenset[str] = frozenset()
@@ -699,9 +701,16 @@ class AnnounceRendezvousHandler(RendezvousHandler):
     def _probe_watched(self) -> None:
         with self._cond:
             if self._closer:
-                members = sorted(self._members.values(), key=lambda m: m.create_revision)
-                targets = [m for m in members if m.name != self._name][-1:]
-                targets += self._unready_members()
+                others = [m for m in self._members.values() if m.name != self._name]
+                newest = max(others, key=lambda m: m.create_revision, default=None)
+                targets = [newest] if newest is not None else []
+                # A few of the members a round waits for at each tick, in turn: a probe
+                # blocks up to PROBE_TIMEOUT_S, and this thread also renews our lease.
+                unready = sorted(self._unready_members(), key=lambda m: m.create_revision)
+                if unready:
+                    start = self._probe_turn % len(unready)
+                    targets += (unready[start:] + unready[:start])[: _PROBES_PER_TICK - 1]
+                    self._probe_turn += _PROBES_PER_TICK - 1
             else:
                 targets = [self._pred] if self._pred is not None else []
         targets = [m for m in {m.name: m for m in targets}.values() if m is not None]
