@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -223,6 +224,7 @@ def main() -> None:
         print(json.dumps(snapshot_bench(args), indent=2))
         return
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    os.environ.setdefault("ELASTIC_SNAPSHOT_EVERY", "0")  # checkpoints alone
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(
             args.config,

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.recovery.codec import RecoveryError, decode
+from elastic.recovery.snapshot import SnapshotStore
+
 logger = logging.getLogger(__name__)
 
 CHUNK = 16 << 20
@@ -136,4 +139,57 @@ def stream(
     return meta_t.numpy().tobytes(), out
 
 
-__all__ = ["CHUNK", "Held", "Plan", "agree", "decide", "stream"]
+def fetch(
+    plan: Plan, store: SnapshotStore, group: dist.ProcessGroup | None = None
+) -> tuple[Any, str, int]:
+    """Carry out a ``memory`` plan: holders decode their own snapshot, the source streams
+    it to the others. Returns ``(state, source, bytes received)``, source ``memory`` or
+    ``peer``; every rank of ``group`` must call it.
+
+    Raises:
+        RecoveryError: the held snapshot changed since the agreement.
+    """
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    meta: bytes | None = None
+    data: torch.Tensor | None = None
+    state: Any = None
+    source, received = "memory", 0
+    if plan.holds(rank):
+        read = store.read()
+        if read is None or (read[0].step, read[0].round) != (plan.step, plan.round):
+            raise RecoveryError(
+                f"The snapshot of step {plan.step} (round {plan.round}) changed while the "
+                "group agreed on it; restart the group to agree again."
+            )
+        _, meta, data = read
+        state = decode(meta, data, clone=True)
+    if plan.needs_stream:
+        src = rank == plan.src_rank
+        got = stream(
+            meta if src else None, data if src else None, plan.src_rank, state is None, group
+        )
+        if got is not None:
+            state = decode(got[0], got[1], clone=True)
+            source, received = "peer", got[1].numel()
+    return state, source, received
+
+
+def persisted_step(url: str, run_id: str, fence: Any = None) -> int:
+    """The newest committed checkpoint's step: etcd's commit records when fenced, else
+    a listing of the storage; -1 when there is none (or it cannot be listed)."""
+    if fence is not None and hasattr(fence, "records"):
+        try:
+            return max(fence.records(), default=-1)
+        except Exception as exc:  # etcd unreachable: list the storage instead
+            logger.warning("Cannot read the commit records (%s); listing the storage.", exc)
+    from elastic.checkpoint import find_latest_complete
+
+    try:
+        info = find_latest_complete(url, run_id)
+    except Exception as exc:  # the storage path reports it again when it loads
+        logger.warning("Cannot list the checkpoints under %s (%s).", url, exc)
+        return -1
+    return info.step if info is not None else -1
+
+
+__all__ = ["CHUNK", "Held", "Plan", "agree", "decide", "fetch", "persisted_step", "stream"]

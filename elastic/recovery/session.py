@@ -37,7 +37,7 @@ from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
 from elastic import env, events, reform
 from elastic.recovery import exchange
-from elastic.recovery.codec import decode, from_json, to_json
+from elastic.recovery.codec import from_json, to_json
 from elastic.recovery.sampler import DistributedSampler
 from elastic.recovery.snapshot import DEFAULT_DIR, SnapshotStore, Snapshotter
 
@@ -240,30 +240,7 @@ class Run:
 
     def _load_memory(self, plan: exchange.Plan) -> None:
         started = time.perf_counter()
-        meta: bytes | None = None
-        data: torch.Tensor | None = None
-        state: dict[str, Any] | None = None
-        if plan.holds(self._group_rank()):
-            read = self._store.read()
-            if read is None or (read[0].step, read[0].round) != (plan.step, plan.round):
-                raise exchange_error(plan)
-            _, meta, data = read
-            state = decode(meta, data, clone=True)
-            self.resumed_from = "memory"
-        if plan.needs_stream and self._ctl is not None:
-            src = self._group_rank() == plan.src_rank
-            got = exchange.stream(
-                meta if src else None,
-                data if src else None,
-                plan.src_rank,
-                receive=state is None,
-                group=self._ctl,
-            )
-            if got is not None:
-                state = decode(got[0], got[1], clone=True)
-                self.received_bytes = got[1].numel()
-                self.resumed_from = "peer"
-        assert state is not None
+        state, self.resumed_from, self.received_bytes = exchange.fetch(plan, self._store, self._ctl)
         self._apply(state)
         events.emit(
             "ckpt.load",
@@ -296,19 +273,7 @@ class Run:
         """The newest committed checkpoint's step (commit records in etcd when fenced)."""
         if self._checkpoints is None:
             return -1
-        if self._fence is not None:
-            try:
-                return max(self._fence.records(), default=-1)
-            except Exception as exc:  # etcd unreachable: list the storage instead
-                logger.warning("Cannot read the commit records (%s); listing the storage.", exc)
-        from elastic.checkpoint import find_latest_complete
-
-        try:
-            info = find_latest_complete(self._checkpoints.cfg.url, self.run_id)
-        except Exception as exc:  # the storage path reports it again when it loads
-            logger.warning("Cannot list the checkpoints (%s).", exc)
-            return -1
-        return info.step if info is not None else -1
+        return exchange.persisted_step(self._checkpoints.cfg.url, self.run_id, self._fence)
 
     def _group_rank(self) -> int:
         return dist.get_rank(self._ctl) if self._ctl is not None else 0
@@ -365,6 +330,8 @@ class Run:
                 self._last_saved = self.step
             self._checkpoints.close()
         self._restore_signals()
+        if self._store.owner == os.getpid():
+            self._store.remove()
 
     def close(self) -> None:
         """Wait for background work and unmap the snapshot files (they stay for a restart)."""
@@ -372,6 +339,8 @@ class Run:
         if self._checkpoints is not None:
             self._checkpoints.close()
         self._hook.remove()
+        if self._store.owner == os.getpid():  # no agent: nobody could ever use them
+            self._store.remove()
         self._store.close()
         self._restore_signals()
 
@@ -401,15 +370,6 @@ class Run:
         )
         self._stop = self._signalled = True
         signal.signal(signum, signal.SIG_DFL)
-
-
-def exchange_error(plan: exchange.Plan) -> Exception:
-    from elastic.recovery.codec import RecoveryError
-
-    return RecoveryError(
-        f"The snapshot of step {plan.step} (round {plan.round}) changed while it was being "
-        "read; restart the group to agree on the state again."
-    )
 
 
 def _gloo_group() -> dist.ProcessGroup:
