@@ -253,8 +253,15 @@ class Cluster:
         steps = self.steps()  # the newest step, not the highest: a rollback goes back
         return steps[-1]["step"] if steps else 0
 
-    def logs(self) -> str:
-        return self.compose("logs", "--no-color", "--tail=60", check=False).stdout[-12000:]
+    def logs(self, lines: int = 40, width: int = 300) -> str:
+        """The last ``lines`` lines of every service's logs (each line cut at ``width``: etcd
+        logs whole stack traces), services one after the other."""
+        services = self.compose("config", "--services", check=False).stdout.split()
+        out = []
+        for service in services:
+            text = self.compose("logs", "--no-color", f"--tail={lines}", service, check=False)
+            out += [f"--- {service}"] + [line[:width] for line in text.stdout.splitlines()]
+        return "\n".join(out)
 
     def down(self) -> None:
         self.compose("down", "-v", "--remove-orphans", "-t", "5", check=False, timeout=300)
