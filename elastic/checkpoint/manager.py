@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,6 +118,7 @@ class CheckpointManager:
         self.last_good: int | None = None
         self.stager = Stager()
         self._pending: Future[SaveOutcome] | None = None
+        self._plan_key = secrets.token_hex(8)  # this manager's (so this group's) DCP plan cache
 
     def check_storage(self) -> None:
         """Write and delete a probe file under the run's directory, on every rank.
@@ -170,7 +172,10 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish the save in flight (raises like :meth:`wait`)."""
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            FastSavePlanner.forget(self._plan_key)
 
     def load_latest(
         self, make_state: Callable[[], dict[str, Any]]
@@ -273,7 +278,7 @@ class CheckpointManager:
                 dcp.save(
                     staged,
                     storage_writer=writer,
-                    planner=FastSavePlanner(),
+                    planner=FastSavePlanner(cache_key=self._plan_key),
                     process_group=self.group,
                 )
                 local["files"] = writer.written
@@ -282,6 +287,8 @@ class CheckpointManager:
         else:
             local.update(ok=False, error=attempt)
         outcome = self._commit(step, url, attempt, self._gather(local))
+        if not outcome.ok:  # every rank alike: the next save sends full plans again
+            FastSavePlanner.forget(self._plan_key)
         outcome.blocking_s = blocking
         outcome.durable_s = time.perf_counter() - started
         if outcome.ok and self.rank == 0:

@@ -510,7 +510,67 @@ def metadata_problem(data: bytes, expected: dict[str, Any] | None) -> str:
 class FastSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, minus the per-tensor ``typing`` protocol checks for plain
     tensors (about 0.1 ms each, twice per tensor, a few hundred tensors per model); tensor
-    subclasses (DTensor, sharded tensors) and other values are planned by DCP itself."""
+    subclasses (DTensor, sharded tensors) and other values are planned by DCP itself.
+
+    With a ``cache_key`` (one per checkpoint manager, so one process group), DCP's plan
+    cache skips sending and merging the plans when no rank's plan changed since the
+    last save under that key. A plan counts as unchanged only when every write item
+    (dtype included, which DCP's own comparison leaves out) and the key mapping are
+    equal to the cached ones.
+    """
+
+    def __init__(self, cache_key: str | None = None) -> None:
+        super().__init__(enable_plan_caching=cache_key is not None)
+        self._cache_key = cache_key
+        if cache_key is not None:
+            self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
+
+    @classmethod
+    def forget(cls, cache_key: str) -> None:
+        """Drop the plans cached under ``cache_key``."""
+        key = f"{cls.__name__}:{cache_key}"
+        for cache in (
+            SavePlanner._cached_save_plan,
+            SavePlanner._cached_final_save_plan,
+            SavePlanner._cached_all_plans,
+            SavePlanner._cached_global_plan,
+            SavePlanner._cached_metadata,
+        ):
+            cache.pop(key, None)
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for fqn, value in self.state_dict.items():
+            if type(value) is torch.Tensor:
+                items.append(_create_write_item_for_tensor(fqn, value))
+            else:
+                items += create_default_local_save_plan({fqn: value}, self.is_coordinator).items
+        plan = SavePlan(items, planner_data=self.mappings if self.flatten_state_dict else None)
+        self.plan = plan
+        if self._enable_plan_caching:
+            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            if (
+                cached is not None
+                and cached.items == plan.items
+                and cached.planner_data == plan.planner_data
+            ):
+                return SavePlan([], usable=False)  # DCP reuses the cached global plan
+            self._pending_local_plan = plan  # cached by finish_plan once the plan succeeded
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if self._enable_plan_caching:
+            cached = SavePlanner._cached_all_plans.get(self._cached_plans_key)
+            if cached is not None and len(cached) != len(all_plans) and self._cache_key:
+                self.forget(self._cache_key)  # another world size: start afresh
+                cached = None
+            if cached is None and not all(plan.usable for plan in all_plans):
+                raise CheckpointError(
+                    "A rank reused its cached save plan, but the coordinator has none for "
+                    "this group (it was restarted or dropped it); this save fails, and every "
+                    "rank plans afresh for the next one"
+                )
+        return super().create_global_plan(all_plans)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
@@ -519,21 +579,6 @@ class FastSavePlanner(DefaultSavePlanner):
         ):
             return value
         return super().lookup_object(index)
-
-    def create_local_plan(self) -> SavePlan:
-        if self._enable_plan_caching:
-            return super().create_local_plan()
-        items: list[WriteItem] = []
-        for fqn, value in self.state_dict.items():
-            if type(value) is torch.Tensor:
-                items.append(_create_write_item_for_tensor(fqn, value))
-            else:
-                items += create_default_local_save_plan({fqn: value}, self.is_coordinator).items
-        plan = SavePlan(items)
-        if self.flatten_state_dict:
-            plan = dataclasses.replace(plan, planner_data=self.mappings)
-        self.plan = plan
-        return plan
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
