@@ -40,6 +40,7 @@ from typing import Any
 
 from elastic import env, events
 from elastic.checkpoint.layout import COMMIT_MARKER, inspect_step, marker_digest
+from elastic.errors import ElasticError
 from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
 from elastic.procs import WORKER_NAME, descendants, kill
 from elastic.procs import name as proc_name
@@ -573,10 +574,11 @@ class Chaos:
                 if item.startswith(env.FENCE.encode() + b"="):
                     self.old_spec = item.split(b"=", 1)[1].decode()
 
-    def wait_stable(self, fault: Fault) -> None:
+    def wait_stable(self, fault: Fault, timeout: float | None = None) -> None:
         """Wait for the first step at the expected world after the fault's last round, with
         five more steps at that world and no newer round; fill in the recovery figures."""
-        deadline = time.monotonic() + self.opts.recover_timeout
+        timeout = timeout or self.opts.recover_timeout
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.cluster.running():
                 fault.error = "every agent exited"
@@ -596,9 +598,7 @@ class Chaos:
                 self._recovered(fault, good[0])
                 return
             self.pause(0.25)
-        fault.error = (
-            f"no stable training at world {fault.world} within {self.opts.recover_timeout:.0f} s"
-        )
+        fault.error = f"no stable training at world {fault.world} within {timeout:.0f} s"
 
     def _recovered(self, fault: Fault, first: dict[str, Any]) -> None:
         fault.recover_s = round(first["ts"] - fault.t, 2)
@@ -914,7 +914,7 @@ class Chaos:
             for _ in range(opts.agents):
                 self.start_node()
             begin = Fault("start", started, 0, t_end=started)
-            self.wait_stable(begin)
+            self.wait_stable(begin, timeout=max(600.0, self.opts.recover_timeout))
             if begin.error:
                 raise RuntimeError(f"The job did not start: {begin.error}. Logs: {self.run_dir}")
             self.capture_spec()
@@ -1274,7 +1274,11 @@ def command(args: argparse.Namespace) -> int:
         if args.json_only
         else (lambda line: print(line, file=sys.stderr, flush=True)),
     )
-    report = run_chaos(opts)
+    try:
+        report = run_chaos(opts)
+    except (RuntimeError, ElasticError) as exc:
+        print(f"elastic chaos: error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=2))
     if not args.json_only:
         print(table(report))
