@@ -32,6 +32,8 @@ from elastic import env, events, reform
 from elastic.checkpoint import CheckpointManager, CommitFence
 from elastic.errors import CheckpointError, ConfigError
 from elastic.procs import WORKER_NAME, die_with_parent, set_name
+from elastic.recovery import exchange
+from elastic.recovery.snapshot import OWNER_ENV, SnapshotStore, Snapshotter
 from elastic.training.config import (
     Config,
     DistributedConfig,
@@ -45,6 +47,8 @@ from elastic.training.sampler import Cursor, ElasticSampler
 from elastic.training.train import StepResult, Trainer, build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
+
+SNAPSHOT_EVERY_ENV = "ELASTIC_SNAPSHOT_EVERY"  # steps between memory snapshots; 0 = off
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,94 @@ class Worker:
         )
         self.step = 0
         self.cursor = Cursor()
+        # On by default under elastic-agent, which removes the files; a plain torchrun
+        # would leave them in /dev/shm.
+        default = "1" if os.environ.get(OWNER_ENV) else "0"
+        self.snapshot_every = int(os.environ.get(SNAPSHOT_EVERY_ENV, default) or 0)
+        self.round = int(getattr(commit_fence, "round", 0) or 0)
+        self.snapshots: Snapshotter | None = None
+        if self.snapshot_every > 0:
+            local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
+            self.snapshots = Snapshotter(SnapshotStore(self.run_id, local_rank))
+            snapshots = self.snapshots
+            self.optimizer.register_step_pre_hook(lambda *_: snapshots.wait())
+        self.resumed_from = "fresh"
+
+    def memory_state(self) -> dict[str, Any]:
+        """The state a memory snapshot holds (tensors are not copied)."""
+        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        train = {
+            "step": self.step,
+            **self.cursor.as_dict(),
+            "world_size": self.ctx.world_size,
+            "rng_cpu": torch.get_rng_state(),
+        }
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "scheduler": sched,
+            "train": train,
+        }
+
+    def _snapshot(self) -> None:
+        if self.snapshots is None or self.step % self.snapshot_every:
+            return
+        stable = {p.data_ptr() for g in self.optimizer.param_groups for p in g["params"]}
+        for st in self.optimizer.state.values():
+            stable.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+        self.snapshots.take(self.step, self.round, self.memory_state(), stable)
+
+    def _resume_from_memory(self) -> bool:
+        """Agree with the group on the newest state; load it if someone holds it in memory."""
+        store = self.snapshots.store if self.snapshots is not None else None
+        found = store.newest() if store is not None else None
+        held = (found[1].step, found[1].round) if found else None
+        persisted = -1
+        if self.ctx.rank == 0 and self.cfg.checkpoint.enabled:
+            fence = self.checkpoints.commit_fence
+            persisted = exchange.persisted_step(self.cfg.checkpoint.url, self.run_id, fence)
+        started = time.perf_counter()
+        plan = exchange.agree(held, persisted, self.ctx.checkpoint_group)
+        if plan.source != "memory":
+            return False
+        assert store is not None or not plan.holds(self.ctx.rank)
+        state, source, received = exchange.fetch(
+            plan, store or SnapshotStore(self.run_id, 0), self.ctx.checkpoint_group
+        )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self._apply_train(state)
+        self.resumed_from = source
+        seconds = time.perf_counter() - started
+        logger.info(
+            "Resumed at step %d from %s in %.3f s (%d bytes received; newest checkpoint %d).",
+            self.step,
+            "this node's memory" if source == "memory" else "a peer's memory",
+            seconds,
+            received,
+            plan.persisted,
+        )
+        events.emit(
+            "ckpt.load",
+            step=self.step,
+            url="",
+            source=source,
+            seconds=round(seconds, 4),
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            bytes=received,
+        )
+        return True
+
+    def _apply_train(self, state: dict[str, Any]) -> None:
+        """Restore the LR schedule (rescaled to this world size), RNG, step and cursor."""
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        train = state["train"]
+        torch.set_rng_state(train["rng_cpu"])
+        self.step = int(train["step"])
+        self.cursor = Cursor(int(train["epoch"]), int(train["consumed"]))
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed state: model, optimizer, LR schedule, train state."""
@@ -206,9 +298,10 @@ class Worker:
                 restarts,
                 self.run_id,
             )
-        if not self.cfg.checkpoint.enabled:
+        if self.cfg.checkpoint.enabled:
+            self.checkpoints.check_storage()
+        if self._resume_from_memory() or not self.cfg.checkpoint.enabled:
             return
-        self.checkpoints.check_storage()
         loaded = self.checkpoints.load_latest(self.state_dict)
         if loaded is None:
             return
@@ -219,13 +312,9 @@ class Worker:
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
-        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **state["scheduler"]})
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = base * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self._apply_train(state)
+        self.resumed_from = "storage"
         train = state["train"]
-        torch.set_rng_state(train["rng_cpu"])
-        self.step = int(train["step"])
-        self.cursor = Cursor(int(train["epoch"]), int(train["consumed"]))
         logger.info(
             "Resumed at step %d (epoch %d, %d samples in) with world size %d; the "
             "checkpoint was written by world size %d.",
@@ -245,12 +334,13 @@ class Worker:
         """Train until the last step or a stop request; return the exit code."""
         end = min(self.total_steps, self.cfg.job.stop_at or self.total_steps)
         progress = _Progress(end, self.ctx.rank == 0 and self.cfg.job.progress_bar)
-        last_saved = self.step if self.step else None
+        last_saved = self.step if self.resumed_from == "storage" else None
         while self.step < end:
             started = time.perf_counter()
             result = self.trainer.step(self.cursor, stop.requested)
             self.step += 1
             self.cursor = result.cursor
+            self._snapshot()
             self._report(result, time.perf_counter() - started, progress)
             pace = self.cfg.job.min_step_s - (time.perf_counter() - started)
             if pace > 0:
@@ -264,6 +354,8 @@ class Worker:
         if last_saved != self.step:
             self.save(block=True)
         self.checkpoints.close()
+        if self.snapshots is not None:
+            self.snapshots.wait()
         logger.info("Stopped at step %d of %d.", self.step, self.total_steps)
         if self.step < end and not stop.requested:
             logger.info("A peer asked the group to stop; exiting for the group to re-form.")
@@ -331,11 +423,17 @@ def train(cfg: Config, commit_fence: CommitFence | None = None) -> int:
     _setup_torch(cfg.job)
     with _StopFlag() as stop:
         ctx = init_distributed(cfg.distributed)
+        worker: Worker | None = None
         try:
             worker = Worker(cfg, ctx, commit_fence)
             worker.resume()
             return worker.run(stop)
         finally:
+            if worker is not None and worker.snapshots is not None:
+                worker.snapshots.wait()
+                store = worker.snapshots.store
+                if store.owner == os.getpid():  # no agent: nobody could ever use them
+                    store.remove()
             dist.destroy_process_group()
 
 
