@@ -28,7 +28,8 @@ round costs O(N) writes per node. Here:
   lost their key (``lost``); the others learn it from their watch, so
   :meth:`AnnounceRendezvousHandler.membership_change` is a pure, local query.
 * **Deaths.** Each node probes its predecessor (the closer: the newest member and, while
-  a round waits for them, the members not yet ready) every second through
+  a round waits for them, up to 8 of the members not yet ready) every 1-2 s (a quarter
+  of the lease TTL) through
   :mod:`elastic.rendezvous.liveness`; a refused probe on a verified port deletes the
   dead node's key at once. A slow but alive node keeps its key as long as its
   keep-alive thread gets a turn once per ``keep_alive_interval * keep_alive_max_attempt``
@@ -89,7 +90,7 @@ logger = logging.getLogger(__name__)
 
 etcdrpc = etcd_client.etcdrpc
 _DELETE = 1  # mvccpb.Event.EventType.DELETE
-PROBE_EVERY_S = 1.0  # a node probes the peer it watches over at least this often
+PROBE_EVERY_S = 1.0  # probes go every quarter lease TTL, from this to twice this
 _PROBES_PER_TICK = 8  # the closer probes at most this many nodes each time
 _IDLE_WATCH_S = 60.0  # a watch with nothing to wait for is renewed this often
 _RETRY_S = 0.5  # after a failed etcd request in the background loop
@@ -666,8 +667,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
     def _monitor(self) -> None:
         """Keep this node's lease alive; probe the peer this node watches over."""
-        # Probes only need to beat the lease: a quarter of its TTL, between 1 and 5 s.
-        probe_every = min(max(PROBE_EVERY_S, self._ttl / 4), 5 * PROBE_EVERY_S)
+        # Probes only need to beat the lease: a quarter of its TTL, between 1 and 2 s.
+        probe_every = min(max(PROBE_EVERY_S, self._ttl / 4), 2 * PROBE_EVERY_S)
         next_keepalive = next_probe = time.monotonic() + min(probe_every, self._interval)
         while not self._stopped.wait(max(0.0, min(next_keepalive, next_probe) - time.monotonic())):
             now = time.monotonic()
