@@ -5,6 +5,11 @@ kill`` one (SIGKILL: a crash); ``docker stop`` another (SIGTERM: a planned leave
 checkpoint); the last one finishes the job. From the events and checkpoints on the shared
 (bind-mounted) volume: the job finished, every step ran, and every checkpoint a worker loaded
 was a complete one. From Prometheus: the agents' world-size metric followed 2 -> 3 -> 2 -> 1.
+No secret shows in `docker inspect` of the agents or in their logs.
+
+The same with checkpoints on S3 (profile ``s3``, a moto server), and the lock-down while agents
+train: etcd refuses requests without a login (and plain http), the agents run as a non-root
+user, and no secret leaks (``test_locked_down``).
 """
 
 from __future__ import annotations
@@ -201,7 +206,6 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
         env={**os.environ, "ELASTIC_SECRET_FILE": str(cluster.secrets / "job-secret")},
     )
     assert json.loads(status.stdout), status.stdout
-    assert_locked_down(cluster, cluster.running_agents())
 
     # Add a node.
     wait_until(lambda: cluster.last_step() >= first["step"] + 10, 120, "10 steps at world 2")
@@ -279,6 +283,8 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     assert latest is not None and latest.step == MAX_STEPS, latest
     assert all(cluster.inspect(c)["State"]["Status"] == "exited" for c in cluster.agents())
     assert (REPO / "docker-compose.yml").exists()
+    for container in cluster.agents():  # the whole run's logs, kill and leave included
+        cluster.assert_no_secret_in(container)
 
 
 S3_MAX_STEPS = int(os.environ.get("ELASTIC_E2E_S3_MAX_STEPS", "200"))
@@ -315,8 +321,6 @@ def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
     assert len(agents) == 2
     assert not cluster.agents(), "naming agent-s3 must not start the volume-backed agents"
     first = step_at_world(cluster, 0, 2, timeout=240)
-    cluster.profiles.append("s3")
-    assert_locked_down(cluster, agents, service="agent-s3")
     wait_until(lambda: cluster.last_step() >= first["step"] + 25, 180, "a checkpoint at world 2")
 
     before, left_at = cluster.last_step(), time.time()
@@ -344,3 +348,45 @@ def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
     assert fs.exists(final), fs.find(root)
     for step in {e["step"] for e in loads}:
         assert fs.exists(f"{root}/step-{step}/COMMIT.json"), f"loaded step {step} is not committed"
+    for container in agents:  # the S3 keys included
+        cluster.assert_no_secret_in(container)
+
+
+@pytest.mark.timeout(900)
+def test_locked_down(cluster_factory, images) -> None:
+    """etcd needs a login (over TLS), the agents run as a non-root user, and no secret shows in
+    `docker inspect` or the logs: checked while one `agent` and one `agent-s3` (profile s3, on
+    moto) train, at a pace that leaves time for the checks."""
+    cluster = cluster_factory(**{**TINY, "ELASTIC_JOB__MIN_STEP_S": 0.3})
+    cluster.profiles.append("s3")
+    cluster.env.update(
+        {
+            "S3_IMAGE": images["ELASTIC_MOTO_IMAGE"],
+            "S3_COMMAND": "-H 0.0.0.0 -p 9000",
+            "S3_PORT": str(free_port()),
+            "ELASTIC_RUN_ID_S3": f"{cluster.run_id}-s3",
+        }
+    )
+    cluster.compose(
+        "up",
+        "-d",
+        "--no-build",
+        "--scale",
+        "agent=1",
+        "--scale",
+        "agent-s3=1",
+        "agent",
+        "agent-s3",
+        timeout=300,
+    )
+    step_at_world(cluster, 0, 1, timeout=240)
+    cluster.event_log = cluster.dir / "events-s3.jsonl"
+    step_at_world(cluster, 0, 1, timeout=240)
+    agents = cluster.agents()
+    agents_s3 = cluster.compose("ps", "-q", "agent-s3").stdout.split()
+    assert len(agents) == 1 and len(agents_s3) == 1
+    assert_locked_down(cluster, agents)
+    assert_locked_down(cluster, agents_s3, service="agent-s3")
+    assert all(cluster.inspect(c)["State"]["Running"] for c in agents + agents_s3), (
+        "the checks must run while the agents train: raise MIN_STEP_S"
+    )
