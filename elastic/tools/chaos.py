@@ -182,6 +182,7 @@ class Observations:
     """What the storage observer saw."""
 
     markers: dict[int, set[str]] = field(default_factory=dict)  # step -> complete digests seen
+    first_seen: dict[int, float] = field(default_factory=dict)  # step -> first seen complete
     records: dict[int, dict[str, dict[str, Any]]] = field(default_factory=dict)  # step->digest->
     newest_checks: int = 0
     violations: list[str] = field(default_factory=list)
@@ -256,6 +257,7 @@ class StorageObserver(threading.Thread):
                 continue
             self._marker_stat[step] = stamp
             self.seen.markers.setdefault(step, set()).add(digest)
+            self.seen.first_seen.setdefault(step, time.time())
             if self._newest is None or step > self._newest:
                 self._newest = step
         if self._newest is not None:
@@ -953,6 +955,9 @@ class Chaos:
             if self.net is not None:
                 self.net.close()
         ended = time.time()
+        seen = dataclasses.asdict(self.observer.seen)
+        seen["markers"] = {k: sorted(v) for k, v in seen["markers"].items()}
+        (self.run_dir / "observations.json").write_text(json.dumps(seen, indent=1) + "\n")
         report = self.report(started, ended, codes, orphans)
         (self.run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
@@ -1065,7 +1070,20 @@ class Chaos:
         )
 
         seen = self.observer.seen
-        loads = self.tail.of("ckpt.load")
+        all_loads = self.tail.of("ckpt.load")
+        # A resume from a node's memory snapshot or a peer's (elastic.recovery) reads no
+        # storage; it must not go behind a step that was already durable.
+        snapshots = [e for e in all_loads if e.get("source") in ("memory", "peer")]
+        loads = [e for e in all_loads if e not in snapshots]
+        behind = []
+        for e in snapshots:
+            durable = [s for s, t in seen.first_seen.items() if t < e["ts"] - 2.0]
+            newest = max(durable, default=0)
+            if e["step"] < newest:
+                behind.append(
+                    f"rank {e.get('rank')} resumed from {e['source']} at step {e['step']} at "
+                    f"{e['ts']:.3f}, behind step {newest} committed before"
+                )
         bad = []
         for e in loads:
             step = e["step"]
@@ -1080,6 +1098,7 @@ class Chaos:
                     f"load of step {step} at {e['ts']:.3f} (rank {e.get('rank')}): no complete "
                     f"signed marker matching a commit record of run {self.run_id} was seen"
                 )
+        check("a memory or peer resume is never behind a durable step", len(snapshots), behind)
         check(
             "no torn or foreign step loaded: valid COMMIT and matching etcd record", len(loads), bad
         )
