@@ -254,6 +254,6 @@ __all__ = [
     "FAST_FAILOVER",
     "FAST_FAILOVER_CONF",
     "PROFILES",
-    "RendezvousOptions",
     "SINGLE_KEY",
+    "RendezvousOptions",
 ]
