@@ -40,7 +40,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic import env, events, metrics, reform
 from elastic.recovery import snapshot
-from elastic.rendezvous.handler import ChangeKind, EtcdRendezvousHandler, MembershipChange
+from elastic.rendezvous.handler import ChangeKind, MembershipChange, MembershipHandler
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ class NodeAgent(LocalElasticAgent):
 
     _change: MembershipChange | None = None  # what made the current restart, once seen
 
-    def _handler(self) -> EtcdRendezvousHandler | None:
+    def _handler(self) -> MembershipHandler | None:
         handler = self._worker_group.spec.rdzv_handler
-        return handler if isinstance(handler, EtcdRendezvousHandler) else None
+        return handler if isinstance(handler, MembershipHandler) else None
 
     def _set_local_rank_env(
         self, worker_env: dict[str, str | None], local_rank: int, spec: Any
@@ -105,7 +105,7 @@ class NodeAgent(LocalElasticAgent):
         self._spend_job_restart(handler)
         return result
 
-    def _note_change(self, handler: EtcdRendezvousHandler) -> None:
+    def _note_change(self, handler: MembershipHandler) -> None:
         """Ask the handler whether the group must re-form; log and record why, once."""
         change = handler.membership_change()
         if change is None or change == self._change:
@@ -129,7 +129,7 @@ class NodeAgent(LocalElasticAgent):
             )
             events.emit("rdzv.dropped", run_id=run_id, round=change.round)
 
-    def _spend_job_restart(self, handler: EtcdRendezvousHandler) -> None:
+    def _spend_job_restart(self, handler: MembershipHandler) -> None:
         """Make ``--max-restarts`` a budget of the whole job, kept in etcd, not per agent."""
         used = handler.record_failed_round()
         if used is None:

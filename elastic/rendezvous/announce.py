@@ -79,7 +79,7 @@ from elastic.errors import EtcdConnectionError
 from elastic.etcd import client as etcd_client
 from elastic.etcd.client import EtcdClient, compare_absent, compare_mod, op_get, op_put
 from elastic.rendezvous.fence import FenceSpec, _compare_less, _round_bytes, high_key
-from elastic.rendezvous.handler import ChangeKind, EtcdRendezvousHandler, MembershipChange
+from elastic.rendezvous.handler import ChangeKind, MembershipChange
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
 from elastic.rendezvous.ledger import RunLedger
@@ -1080,7 +1080,6 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
 # The agent (agents/agent.py) looks for the etcd-v3 handler's class; this handler offers
 # the same seam (membership_change, request_reform, leave, record_failed_round).
-EtcdRendezvousHandler.register(AnnounceRendezvousHandler)
 
 
 def build_announce_handler(

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from enum import Enum
+from typing import Protocol, runtime_checkable
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
@@ -112,6 +113,17 @@ class MembershipChange:
     round: int | None
     nodes: tuple[str, ...] = ()
     waiting: int = 0
+
+
+@runtime_checkable
+class MembershipHandler(Protocol):
+    """What the agent asks of our handlers (single-key and announce): the seam."""
+
+    def membership_change(self) -> MembershipChange | None: ...
+    def request_reform(self) -> None: ...
+    def leave(self, timeout: float = 10.0) -> None: ...
+    def record_failed_round(self) -> int | None: ...
+    def get_run_id(self) -> str: ...
 
 
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
@@ -382,4 +394,10 @@ def build_handler(
     return handler
 
 
-__all__ = ["ChangeKind", "EtcdRendezvousHandler", "MembershipChange", "build_handler"]
+__all__ = [
+    "ChangeKind",
+    "EtcdRendezvousHandler",
+    "MembershipChange",
+    "MembershipHandler",
+    "build_handler",
+]
