@@ -5,9 +5,10 @@ Run it under ``elastic-agent`` (or ``torchrun``)::
     elastic-agent --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=etcd-v3 \\
         --rdzv-endpoint=127.0.0.1:2379 --rdzv-id=demo examples/train_ddp.py --epochs 3
 
-Changed lines against the plain DDP version: 4 (marked ``# elastic``): the import, the
-``elastic.Run(...)`` line, and the two loop headers (``run.epochs``/``run.batches``
-instead of ``range``/the loader and ``sampler.set_epoch``). The Run resumes from this
+Changed lines against the plain DDP version: 4 (marked ``# elastic``): two added (the
+import, the ``elastic.Run(...)`` line) and two loop headers (``run.epochs(n)`` instead of
+``range(n)``, ``run.batches(loader)`` instead of ``loader``). torch's DistributedSampler
+stays; the Run gives it an exact mid-epoch resume point. The Run resumes from this
 node's memory, a peer's memory or the checkpoints, snapshots every step and checkpoints
 """
 
@@ -63,7 +64,8 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=100, gamma=0.5)
     run = elastic.Run(model, optimizer, scheduler, sampler, checkpoint_url=args.ckpt)  # elastic
 
-    for epoch in run.epochs(args.epochs):  # elastic: was range(args.epochs) + set_epoch
+    for epoch in run.epochs(args.epochs):  # elastic: was range(args.epochs)
+        sampler.set_epoch(epoch)
         for x, y in run.batches(loader):  # elastic: was `for x, y in loader:`
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
