@@ -162,6 +162,11 @@ def collapse(values: list[float]) -> list[int]:
     return out
 
 
+def storage_loads(loads: list[dict]) -> list[dict]:
+    """The loads from checkpoint storage; the others resumed from memory (url "")."""
+    return [e for e in loads if e.get("url")]
+
+
 def assert_loaded_complete(url: str, run_id: str, loads: list[dict]) -> None:
     """Every checkpoint a worker loaded is complete: commit marker present, every file's size and
     CRC as the marker records. (A ``ckpt.save`` event alone cannot tell: a writer killed right
@@ -202,7 +207,7 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
             str(cluster.dir),
             "--json",
         ],
-        timeout=60,
+        timeout=180,  # a CLI that imports torch, on 2 busy cores
         env={**os.environ, "ELASTIC_SECRET_FILE": str(cluster.secrets / "job-secret")},
     )
     assert json.loads(status.stdout), status.stdout
@@ -278,7 +283,8 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     assert {e["world_size"] for e in steps} == {1, 2, 3}
     loads = cluster.events("ckpt.load")
     assert loads, "joins and leaves must resume from checkpoints"
-    assert_loaded_complete(str(cluster.dir), cluster.run_id, loads)
+    # Resumes from a node's memory or a peer's (elastic.recovery: url "") need no stored step.
+    assert_loaded_complete(str(cluster.dir), cluster.run_id, storage_loads(loads))
     latest = find_latest_complete(str(cluster.dir), cluster.run_id, warn=False)
     assert latest is not None and latest.step == MAX_STEPS, latest
     assert all(cluster.inspect(c)["State"]["Status"] == "exited" for c in cluster.agents())
@@ -336,8 +342,9 @@ def test_s3_profile_on_a_moto_server(cluster_factory, images) -> None:
     assert sorted({e["step"] for e in steps}) == list(range(1, S3_MAX_STEPS + 1))
     saves = [e for e in cluster.events("ckpt.save") if e.get("ok")]
     assert saves and all(e["url"].startswith("s3://") for e in saves)
-    loads = cluster.events("ckpt.load")
-    assert loads and all(e["url"].startswith("s3://") for e in loads), loads
+    assert cluster.events("ckpt.load"), "the other node must resume after the leave"
+    loads = storage_loads(cluster.events("ckpt.load"))  # not those from memory (url "")
+    assert all(e["url"].startswith("s3://") for e in loads), loads
     fs = s3fs.S3FileSystem(
         endpoint_url=f"http://127.0.0.1:{s3_port}",
         key=cluster.secret("s3-access-key"),
