@@ -276,9 +276,14 @@ class EtcdClient:
             errors[str(conn.endpoint)] = _describe(exc)
             logger.debug("etcd %s failed (%s); trying the next endpoint", conn.endpoint, code)
             return True
-        if self.options.user and "auth token" in (exc.details() or ""):
+        details = exc.details() or ""
+        if self.options.user and any(why in details for why in _RELOGIN):
+            # an expired token, or users/roles changed since we logged in (etcd's Go client
+            # logs in again on both)
             logger.info(
-                "etcd %s: the auth token was rejected (expired?); logging in again.", conn.endpoint
+                "etcd %s: the auth token was rejected (%s); logging in again.",
+                conn.endpoint,
+                details,
             )
             conn.metadata = None
             return True
@@ -411,6 +416,9 @@ def _observe(
         observer(fn, seconds, error)
     except Exception as exc:  # metrics must never fail a request
         logger.debug("The etcd request observer failed: %s", exc)
+
+
+_RELOGIN = ("auth token", "revision of auth store is old")
 
 
 def _is_deadline(exc: grpc.RpcError) -> bool:

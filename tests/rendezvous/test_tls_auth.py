@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -90,6 +91,22 @@ def test_tls_and_password_work(secure_etcd: SecureEtcd) -> None:
     with EtcdClient(secure_etcd.options()) as client:
         client.put(b"/tls/k", b"v")
         assert client.range(b"/tls/k").kvs[0].value == b"v"
+
+
+def test_a_user_added_while_logged_in_does_not_fail_requests(secure_etcd: SecureEtcd) -> None:
+    server, certs, root = secure_etcd.server, secure_etcd.certs, ("--user", f"root:{PASSWORD}")
+    etcdctl(server, certs, *root, "role", "add", "tls-rw")
+    etcdctl(server, certs, *root, "role", "grant-permission", "tls-rw", "readwrite", "/tls/",
+            "--prefix")  # fmt: skip
+    etcdctl(server, certs, *root, "user", "add", "writer", "--new-user-password=w-pw")
+    etcdctl(server, certs, *root, "user", "grant-role", "writer", "tls-rw")
+    options = dataclasses.replace(secure_etcd.options(), user="writer", password="w-pw")
+    with EtcdClient(options) as client:
+        client.put(b"/tls/rev", b"1")
+        # any auth change makes etcd refuse a non-root user's token issued before it, once
+        etcdctl(server, certs, *root, "user", "add", "another", "--new-user-password=x")
+        client.put(b"/tls/rev", b"2")
+        assert client.range(b"/tls/rev").kvs[0].value == b"2"
 
 
 def test_wrong_password_is_refused_clearly(secure_etcd: SecureEtcd) -> None:
