@@ -195,6 +195,7 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
         "overhead_pct_median": round(100 * (statistics.median(ratios) - 1), 2),
         "overhead_pct_p10": round(100 * (quantiles[0] - 1), 2),
         "overhead_pct_p90": round(100 * (quantiles[-1] - 1), 2),
+        "snapshot_background": on._snapshots.background,
         "snapshot_sync_ms_per_step": round(1e3 * stats["sync_s"] / count, 3),
         "snapshot_copy_ms_per_step": round(1e3 * stats["copy_s"] / count, 3),
         "snapshot_wait_ms_per_step": round(1e3 * stats["wait_s"] / count, 3),
