@@ -976,6 +976,12 @@ class Chaos:
     # -- checks and the report ------------------------------------------------------------------
 
     def reference_model(self) -> dict[str, Any]:
+        """The same job without faults: ``agents`` ranks throughout (``torchrun --standalone``).
+
+        Not world 1: the order of float sums differs between world sizes, and for some seeds
+        a fault-free world-3 run already differs from world 1 by 6e-3 after 240 steps (seed
+        11), so only world-size changes that faults cause should show.
+        """
         url = self.run_dir / "reference"
         values = {
             **self.overrides(),
@@ -988,6 +994,10 @@ class Chaos:
         }
         argv = [
             sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={self.opts.agents}",
             "-m",
             "elastic.training.worker",
             "--config",
