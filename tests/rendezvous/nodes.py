@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from elastic import events
+from elastic.rendezvous.options import SINGLE_KEY
 from elastic.tools.cluster import ETCD_V3, AgentOptions, LocalCluster
-from tests.helpers import FAST_CONF, REPO, Node, kill_pid, node_env  # noqa: F401  (FAST_CONF)
+from tests.helpers import FAST_CONF, REPO, Node, kill_pid, node_env
 
 WORKER = REPO / "tests" / "scripts" / "allreduce_worker.py"
 
@@ -69,3 +72,27 @@ class Cluster(LocalCluster):
 
     def cleanup(self) -> None:
         self.close()
+
+
+def per_algorithm(cluster: Cluster, request: pytest.FixtureRequest) -> Cluster:
+    """Every etcd-v3 node of these tests runs once per rendezvous algorithm (``algorithm=``
+    appended to its --rdzv-conf); c10d baselines run once."""
+    algorithm = request.param
+    callspec = getattr(request.node, "callspec", None)
+    if (
+        callspec is not None
+        and callspec.params.get("backend") == "c10d"
+        and algorithm != SINGLE_KEY
+    ):
+        pytest.skip("c10d has no rendezvous algorithm option")
+    if algorithm == SINGLE_KEY:
+        return cluster
+    start = cluster.start
+
+    def start_with(*args: Any, conf: str | None = None, **kwargs: Any) -> Node:
+        if kwargs.get("backend", ETCD_V3) == ETCD_V3:
+            conf = f"{FAST_CONF if conf is None else conf},algorithm={algorithm}"
+        return start(*args, conf=conf, **kwargs)
+
+    cluster.start = start_with  # type: ignore[method-assign]
+    return cluster

@@ -6,42 +6,20 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from elastic.etcd.server import EtcdServer, free_port, start_cluster
-from elastic.rendezvous.options import ALGORITHMS, SINGLE_KEY
-from elastic.tools.cluster import ETCD_V3
-from tests.helpers import FAST_CONF, REPO, Node, node_env, wait_until
-from tests.rendezvous.nodes import WORKER, Cluster
+from elastic.rendezvous.options import ALGORITHMS
+from tests.helpers import REPO, node_env, wait_until
+from tests.rendezvous.nodes import WORKER, Cluster, per_algorithm
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(params=ALGORITHMS)
 def cluster(cluster: Cluster, request: pytest.FixtureRequest) -> Cluster:
-    """Every etcd-v3 node of these tests runs once per rendezvous algorithm (``algorithm=``
-    appended to its --rdzv-conf); c10d baselines run once."""
-    algorithm = request.param
-    callspec = getattr(request.node, "callspec", None)
-    if (
-        callspec is not None
-        and callspec.params.get("backend") == "c10d"
-        and algorithm != SINGLE_KEY
-    ):
-        pytest.skip("c10d has no rendezvous algorithm option")
-    if algorithm == SINGLE_KEY:
-        return cluster
-    start = cluster.start
-
-    def start_with(*args: Any, conf: str | None = None, **kwargs: Any) -> Node:
-        if kwargs.get("backend", ETCD_V3) == ETCD_V3:
-            conf = f"{FAST_CONF if conf is None else conf},algorithm={algorithm}"
-        return start(*args, conf=conf, **kwargs)
-
-    cluster.start = start_with  # type: ignore[method-assign]
-    return cluster
+    return per_algorithm(cluster, request)
 
 
 def test_member_killed_mid_rendezvous_fails_over(
