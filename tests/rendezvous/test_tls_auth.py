@@ -173,25 +173,33 @@ open(sys.argv[1], "w").write(json.dumps(dict(os.environ)))
 """
 
 
-def test_the_password_reaches_no_worker_environment_and_no_log(
-    secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
-) -> None:
-    script, dump = tmp_path / "dump_env.py", tmp_path / "env.json"
+def run_agent_dumping_env(
+    secure_etcd: SecureEtcd, tmp: Path, run_id: str, conf: str, **env: str
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """One agent on the TLS etcd running a script that dumps its environment; return the
+    agent's result and the worker's environment (JSON)."""
+    script, dump = tmp / "dump_env.py", tmp / "env.json"
     script.write_text(ENV_DUMP)
     certs = secure_etcd.certs
-    conf = (
-        f"profile=fast-failover,join_timeout=60,user=root,cacert={certs.ca},"
-        f"cert={certs.client_cert},key={certs.client_key}"
-    )
+    conf += f",cacert={certs.ca},cert={certs.client_cert},key={certs.client_key}"
     result = subprocess.run(
         [PYTHON, "-m", "agents.launch", "--nnodes=1", "--nproc-per-node=1",
          f"--rdzv-endpoint=https://{secure_etcd.server.endpoint}", f"--rdzv-id={run_id}",
          f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", str(script), str(dump)],
-        env=node_env(ELASTIC_ETCD_PASSWORD=PASSWORD, LOGLEVEL="INFO"),
-        capture_output=True, text=True, timeout=180, cwd=REPO,
+        env=node_env(LOGLEVEL="INFO", **env), capture_output=True, text=True, timeout=180,
+        cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    worker_env = dump.read_text()
+    return result, dump.read_text()
+
+
+def test_the_password_reaches_no_worker_environment_and_no_log(
+    secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
+) -> None:
+    conf = "profile=fast-failover,join_timeout=60,user=root"
+    result, worker_env = run_agent_dumping_env(
+        secure_etcd, tmp_path, run_id, conf, ELASTIC_ETCD_PASSWORD=PASSWORD
+    )
     assert "ELASTIC_ETCD_PASSWORD" not in worker_env
     assert PASSWORD not in worker_env, "the password reached the worker's environment"
     assert PASSWORD not in result.stdout + result.stderr, "the password reached a log"
@@ -200,20 +208,8 @@ def test_the_password_reaches_no_worker_environment_and_no_log(
 def test_a_password_on_the_command_line_is_redacted_from_torchs_log(
     secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
 ) -> None:
-    script, dump = tmp_path / "dump_env.py", tmp_path / "env.json"
-    script.write_text(ENV_DUMP)
-    certs = secure_etcd.certs
-    conf = (
-        f"profile=fast-failover,join_timeout=60,user=root,password={PASSWORD},"
-        f"cacert={certs.ca},cert={certs.client_cert},key={certs.client_key}"
-    )
-    result = subprocess.run(
-        [PYTHON, "-m", "agents.launch", "--nnodes=1", "--nproc-per-node=1",
-         f"--rdzv-endpoint=https://{secure_etcd.server.endpoint}", f"--rdzv-id={run_id}",
-         f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", str(script), str(dump)],
-        env=node_env(LOGLEVEL="INFO"), capture_output=True, text=True, timeout=180, cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    conf = f"profile=fast-failover,join_timeout=60,user=root,password={PASSWORD}"
+    result, worker_env = run_agent_dumping_env(secure_etcd, tmp_path, run_id, conf)
     assert "shows in 'ps'" in result.stderr
     assert PASSWORD not in result.stdout + result.stderr, "the password reached a log"
-    assert PASSWORD not in dump.read_text(), "the password reached the worker's environment"
+    assert PASSWORD not in worker_env, "the password reached the worker's environment"
