@@ -194,7 +194,8 @@ def _pauses(
             label = f"world {step.get('world_size', '?')}"
             loaded = [e for e in loads if before < e["ts"] < after]
             if loaded:
-                label += f", from ckpt {loaded[-1].get('step', '?')}"
+                where = loaded[-1].get("source") or "ckpt"  # memory, peer, or storage
+                label += f", from {where} {loaded[-1].get('step', '?')}"
             markers.append(Marker(after - t0, "recovery", label))
     if any(c > times[-1] for c in changes):
         pauses.append(Pause(times[-1] - t0, None))
