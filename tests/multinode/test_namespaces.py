@@ -16,6 +16,7 @@ from tests.multinode.netns import Net
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(600)
 def test_nodes_in_namespaces_join_and_survive_a_cut_link(
     net: Net, bridge_etcd: EtcdServer, tmp_path: Path, run_id: str
 ) -> None:
@@ -43,7 +44,9 @@ def test_nodes_in_namespaces_join_and_survive_a_cut_link(
         assert job.events("node.lost"), "survivors must notice the lost node from etcd"
         for node in (a, b):
             assert node.wait(240) == 0, job.logs()
-        assert c.wait(120) != 0, "the cut-off node cannot finish the job on its own"
+        # it rides out what looks like an etcd outage while its workers live, then gives up
+        # when they fail (each etcd request it makes meanwhile waits request_timeout, 30 s)
+        assert c.wait(240) != 0, "the cut-off node cannot finish the job on its own"
         assert_continuous(job)
     finally:
         assert job.cleanup() == [], "no worker may outlive its agent"
