@@ -4,7 +4,7 @@
 bridge in the root namespace with an address (etcd listens there), and per node a veth
 pair whose inner end is the node's ``eth0``. :meth:`Net.link` takes a node's cable out and
 puts it back; its processes live on, unreachable. :meth:`Net.close` removes everything it
-created. (``tests/multinode/netns.py`` builds the same network for the scenario tests.)
+created. The multi-node tests (``tests/multinode``) use the same network.
 """
 
 from __future__ import annotations

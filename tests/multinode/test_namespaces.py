@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import EtcdServer
+from elastic.tools.faults import Net
 from tests.agent.jobs import Job
 from tests.agent.test_membership import assert_continuous, first_step_after
 from tests.helpers import wait_until
-from tests.multinode.netns import Net
 
 pytestmark = pytest.mark.slow
 
