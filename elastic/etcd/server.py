@@ -159,9 +159,9 @@ def start_etcd(data_dir: Path, attempts: int = 3, **kwargs: object) -> EtcdServe
     raise AssertionError("unreachable")
 
 
-def start_cluster(base_dir: Path, size: int = 3) -> list[EtcdServer]:
-    """Start a ``size``-member cluster on loopback and wait until it serves."""
-    members = [EtcdServer(base_dir / f"m{i}", name=f"m{i}") for i in range(size)]
+def start_cluster(base_dir: Path, size: int = 3, host: str = "127.0.0.1") -> list[EtcdServer]:
+    """Start a ``size``-member cluster listening on ``host`` and wait until it serves."""
+    members = [EtcdServer(base_dir / f"m{i}", name=f"m{i}", host=host) for i in range(size)]
     cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
     for member in members:
         member.cluster = cluster

@@ -45,7 +45,7 @@ from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
 from elastic.procs import WORKER_NAME, descendants, kill
 from elastic.procs import name as proc_name
 from elastic.tools.cluster import AgentOptions, LocalCluster, Node, agent_env, alive, provenance
-from elastic.tools.faults import Net, start_members
+from elastic.tools.faults import Net
 
 logger = logging.getLogger(__name__)
 
@@ -495,7 +495,7 @@ class Chaos:
         if self.net is not None:
             size = max(1, self.opts.etcd_members)
             try:
-                self.members = start_members(self.run_dir / "etcd", size, self.net.gateway)
+                self.members = start_cluster(self.run_dir / "etcd", size, host=self.net.gateway)
             except BaseException:
                 self.net.close()
                 raise

@@ -15,9 +15,6 @@ import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from elastic.etcd.server import EtcdServer
 
 logger = logging.getLogger(__name__)
 
@@ -112,21 +109,4 @@ class Net:
             self._bridge_up = False
 
 
-def start_members(base_dir: Path, size: int, host: str) -> list[EtcdServer]:
-    """Start a ``size``-member etcd cluster listening on ``host`` and wait until it serves."""
-    members = [EtcdServer(base_dir / f"m{i}", name=f"m{i}", host=host) for i in range(size)]
-    cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
-    for member in members:
-        member.cluster = cluster
-        member.start()
-    try:
-        for member in members:
-            member.wait_ready()
-    except Exception:
-        for member in members:
-            member.stop()
-        raise
-    return members
-
-
-__all__ = ["Net", "ip", "netns_usable", "start_members"]
+__all__ = ["Net", "ip", "netns_usable"]
