@@ -58,6 +58,21 @@ def set_name(title: str) -> None:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, title.encode()[:15], 0, 0, 0)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to ``pid``; a process that is already gone is fine."""
     with contextlib.suppress(ProcessLookupError):
@@ -83,4 +98,13 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> boo
     return True
 
 
-__all__ = ["WORKER_NAME", "children", "descendants", "die_with_parent", "kill", "name", "set_name"]
+__all__ = [
+    "WORKER_NAME",
+    "alive",
+    "children",
+    "descendants",
+    "die_with_parent",
+    "kill",
+    "name",
+    "set_name",
+]

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from elastic.procs import alive as pid_alive  # noqa: F401  (re-exported for the tests)
 from elastic.procs import kill as kill_pid  # noqa: F401  (re-exported for the tests)
 from elastic.tools.cluster import Node, agent_env, fast_conf  # noqa: F401  (Node: re-exported)
-from elastic.tools.cluster import alive as pid_alive  # noqa: F401  (re-exported for the tests)
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from elastic import procs
 from elastic.recovery.codec import RecoveryError, encode_meta, flatten, layout, view
 
 logger = logging.getLogger(__name__)
@@ -90,16 +91,6 @@ def owner_pid() -> int:
     return os.getpid()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_owned(owner: int, directory: str = DEFAULT_DIR) -> list[Path]:
     """Remove every snapshot file of agent ``owner`` (the agent calls it when it exits)."""
     return _remove(directory, lambda pid: pid == owner)
@@ -107,7 +98,7 @@ def remove_owned(owner: int, directory: str = DEFAULT_DIR) -> list[Path]:
 
 def remove_orphans(directory: str = DEFAULT_DIR) -> list[Path]:
     """Remove the snapshot files whose owning agent is no longer running."""
-    return _remove(directory, lambda pid: not _alive(pid))
+    return _remove(directory, lambda pid: not procs.alive(pid))
 
 
 def _remove(directory: str, doomed: Any) -> list[Path]:

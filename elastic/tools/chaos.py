@@ -42,9 +42,9 @@ from elastic import env, events
 from elastic.checkpoint.layout import COMMIT_MARKER, inspect_step, marker_digest
 from elastic.errors import ElasticError
 from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
-from elastic.procs import WORKER_NAME, descendants, kill
+from elastic.procs import WORKER_NAME, alive, descendants, kill
 from elastic.procs import name as proc_name
-from elastic.tools.cluster import AgentOptions, LocalCluster, Node, agent_env, alive, provenance
+from elastic.tools.cluster import AgentOptions, LocalCluster, Node, agent_env, provenance
 from elastic.tools.faults import Net
 
 logger = logging.getLogger(__name__)

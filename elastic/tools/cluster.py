@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from elastic import env, events
 from elastic.errors import ElasticError
 from elastic.etcd.server import EtcdServer, free_port, start_etcd
-from elastic.procs import WORKER_NAME, descendants, kill
+from elastic.procs import WORKER_NAME, alive, descendants, kill
 from elastic.procs import name as proc_name
 
 logger = logging.getLogger(__name__)
@@ -68,21 +68,6 @@ def agent_env(**extra: str) -> dict[str, str]:
     )
     environ.update(extra)
     return environ
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def provenance(repo: Path | None = None) -> dict[str, Any]:
@@ -565,7 +550,6 @@ __all__ = [
     "Node",
     "WaitTimeout",
     "agent_env",
-    "alive",
     "fast_conf",
     "measure",
     "membership_scenario",
