@@ -308,6 +308,7 @@ class Run:
             self._last_saved = self.step
         if stop:
             self._complete()
+            self._teardown_groups()
             if self._signalled:
                 logger.info("Stopped at step %d on request; exiting.", self.step)
                 raise SystemExit(reform.OK)
@@ -332,6 +333,17 @@ class Run:
         self._restore_signals()
         if self._store.owner == os.getpid():
             self._store.remove()
+
+    def _teardown_groups(self) -> None:
+        """Destroy the process groups before the process exits (their C++ threads must be
+        joined while the interpreter is alive, or the exit can end in std::terminate)."""
+        self._hook.remove()
+        self._store.close()
+        if self.distributed and dist.is_initialized():
+            if self._ctl is not None:
+                dist.barrier(group=self._ctl)
+            dist.destroy_process_group()
+        self._ctl = None
 
     def close(self) -> None:
         """Wait for background work and unmap the snapshot files (they stay for a restart)."""
