@@ -133,9 +133,9 @@ def _recovery(cluster: LocalCluster, killed_at: float, before: int, world: int) 
         "steps_lost": max(0, before - (first["step"] - 1)),
         "last_step_before": before,
         "first_step_after": first["step"],
-        "source": [
-            e.get("source") for e in cluster.events("recovery.resume") if e["ts"] > killed_at
-        ],
+        "source": sorted(
+            {str(e.get("source")) for e in cluster.events("ckpt.load") if e["ts"] > killed_at}
+        ),
     }
 
 
