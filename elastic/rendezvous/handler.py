@@ -60,6 +60,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     RendezvousSettings,
     _NodeDesc,
+    _RendezvousState,
 )
 
 from elastic import env, events
@@ -330,7 +331,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         suspects = {
             str(n): n
             for n, beat in state.last_heartbeats.items()
-            if n != self._this_node and beat < late
+            if n != self._this_node and (beat < late or n in self._holding_up(state))
         }
         dead = self._detector.dead([(name, n.addr) for name, n in suspects.items()])
         if not dead:
@@ -346,6 +347,14 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         )
         events.emit("node.dead", run_id=self.get_run_id(), nodes=sorted(dead), evidence="probe")
         return True
+
+    def _holding_up(self, state: _RendezvousState) -> dict[_NodeDesc, int]:
+        """The participants of a complete round this node waits to replace: the next round
+        cannot open before they have all left it, so a dead one among them is probed at
+        once, not only once its heartbeat is late."""
+        if state.complete and self._this_node not in state.participants:
+            return state.participants
+        return {}
 
     def _wait_for_state_change(self, seconds: float) -> None:
         if self._reap_dead_peers():
