@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Run": "elastic.recovery.session",
     "DistributedSampler": "elastic.recovery.sampler",
-    "RecoveryError": "elastic.recovery.codec",
+    "RecoveryError": "elastic.errors",
     "EXIT_CODE": "elastic.reform",
 }
 

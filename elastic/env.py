@@ -26,3 +26,6 @@ FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fe
 SECRET_FILE = "ELASTIC_SECRET_FILE"  # per-job secret that signs checkpoint commit markers
 ETCD_PASSWORD = "ELASTIC_ETCD_PASSWORD"  # etcd password; the agent removes it from its env
 METRICS_PORT = "ELASTIC_METRICS_PORT"  # elastic-agent --metrics-port: serve Prometheus metrics
+SNAPSHOT_EVERY = "ELASTIC_SNAPSHOT_EVERY"  # steps between memory snapshots: N, "auto" or 0 (off)
+SNAPSHOT_OWNER = "ELASTIC_SNAPSHOT_OWNER"  # the agent pid whose node the snapshot files belong to
+SNAPSHOT_BACKGROUND = "ELASTIC_SNAPSHOT_BACKGROUND"  # 1/0: copy snapshots in a background thread

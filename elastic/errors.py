@@ -38,6 +38,10 @@ class CheckpointError(ElasticError):
     """Represents a checkpoint that cannot be written or read."""
 
 
+class RecoveryError(ElasticError):
+    """Represents a training state that cannot be snapshotted, exchanged or restored."""
+
+
 class StoreError(ElasticError):
     """Represents a c10d store operation etcd refused, such as a value over its size limit."""
 
@@ -48,5 +52,6 @@ __all__ = [
     "ElasticError",
     "EtcdConnectionError",
     "EtcdStateError",
+    "RecoveryError",
     "StoreError",
 ]

@@ -6,7 +6,7 @@
 * :mod:`elastic.recovery.sampler`: a DistributedSampler with an exact resume point.
 """
 
-from elastic.recovery.codec import RecoveryError
+from elastic.errors import RecoveryError
 from elastic.recovery.sampler import DistributedSampler
 from elastic.recovery.session import Run
 

@@ -17,13 +17,9 @@ from typing import Any
 
 import torch
 
-from elastic.errors import ElasticError
+from elastic.errors import RecoveryError
 
 ALIGN = 64
-
-
-class RecoveryError(ElasticError):
-    """Represents a training state that cannot be snapshotted, exchanged or restored."""
 
 
 @dataclass(frozen=True)

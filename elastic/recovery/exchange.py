@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.recovery.codec import RecoveryError, decode
+from elastic.errors import RecoveryError
+from elastic.recovery.codec import decode
 from elastic.recovery.snapshot import SnapshotStore
 
 logger = logging.getLogger(__name__)

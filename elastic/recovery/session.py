@@ -10,16 +10,19 @@
 (or ``for step in run.steps(total):`` for a loop without epochs). Constructing the Run
 resumes: from this node's shared-memory snapshot, else from a peer's (streamed over a
 gloo group), else from shared storage (:mod:`elastic.recovery.exchange`). After every
-``snapshot_every`` steps the state is snapshotted to shared memory
-(:mod:`elastic.recovery.snapshot`); every ``checkpoint_every`` steps it is also
-persisted, fenced, through :class:`elastic.checkpoint.CheckpointManager`. On SIGTERM the
-group finishes the step, saves, and this rank exits 0; its peers exit
-:data:`elastic.reform.EXIT_CODE` so that their agents re-form the group without
-spending a restart.
+``snapshot_every`` steps (``"auto"``: as often as costs under 3 % of the step time) the
+state is snapshotted to shared memory (:mod:`elastic.recovery.snapshot`), and when the
+loop fails (a peer died: a collective raised; an exception; a stop) the state of the
+last completed step is written there at once (:mod:`elastic.recovery.jit`); every
+``checkpoint_every`` steps it is also persisted, fenced, through
+:class:`elastic.checkpoint.CheckpointManager`. On SIGTERM the group finishes the step,
+saves, and this rank exits 0; its peers exit :data:`elastic.reform.EXIT_CODE` so that
+their agents re-form the group without spending a restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -38,8 +41,9 @@ from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 from elastic import env, events, reform
 from elastic.recovery import exchange
 from elastic.recovery.codec import from_json, to_json
+from elastic.recovery.jit import AUTO, Every, StepSnapshots, stable_ptrs
 from elastic.recovery.sampler import DistributedSampler
-from elastic.recovery.snapshot import DEFAULT_DIR, SnapshotStore, Snapshotter
+from elastic.recovery.snapshot import DEFAULT_DIR, SnapshotStore
 
 logger = logging.getLogger(__name__)
 B = TypeVar("B")
@@ -58,7 +62,9 @@ class Run:
             sampler of the loader given to :meth:`batches`.
         checkpoint_url: where persisted checkpoints go (fsspec URL); None: memory only.
         checkpoint_every: persist every N steps.
-        snapshot_every: snapshot to shared memory every N steps (0: never).
+        snapshot_every: snapshot to shared memory every N steps, or ``"auto"`` (an
+            interval whose cost stays under ~3 % of the step time); a failed loop
+            snapshots its last completed step either way. 0: no snapshots at all.
         run_id: names the snapshots and checkpoints; default: the rendezvous id.
         keep_last: persisted checkpoints kept.
         snapshot_dir: node-local shared memory (``/dev/shm``).
@@ -73,7 +79,7 @@ class Run:
         *,
         checkpoint_url: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 50,
-        snapshot_every: int = 1,
+        snapshot_every: Every = AUTO,
         run_id: str | None = None,
         keep_last: int = 3,
         snapshot_dir: str = DEFAULT_DIR,
@@ -104,8 +110,11 @@ class Run:
             self._checkpoints = CheckpointManager(cfg, self.run_id, group, self._fence)
         local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
         self._store = SnapshotStore(self.run_id, local_rank, directory=snapshot_dir)
-        self._snapshots = Snapshotter(self._store)
-        self._hook = optimizer.register_step_pre_hook(lambda *_: self._snapshots.wait())
+        self._jit = StepSnapshots(
+            self._store, optimizer, self.state, self._advance, snapshot_every, self._round
+        )
+        self._snapshots = self._jit.snapshotter
+        self._in_batches = False
         self._stop = False
         self._signalled = False
         self._previous: dict[int, Any] = {}
@@ -119,9 +128,11 @@ class Run:
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the index of each step still to run, up to ``total`` steps in all."""
-        while self.step < total:
-            yield self.step
-            self._after_step(final=self.step + 1 >= total)
+        self._jit.restart_clock()
+        with self._failures("steps"):
+            while self.step < total:
+                yield self.step
+                self._after_step(final=self.step + 1 >= total)
         self._complete()
 
     def epochs(self, total: int) -> Iterator[int]:
@@ -143,11 +154,38 @@ class Run:
             self.sampler.set_epoch(self.epoch)
             self.sampler.consumed = self.consumed
         self._batch = int(getattr(loader, "batch_size", 0) or 0)
-        for batch in loader:
-            yield batch
-            self.consumed += self._batch * self.world_size
-            self._after_step()
+        self._jit.restart_clock()
+        with self._failures("batches"):
+            self._in_batches = True
+            for batch in loader:
+                yield batch
+                self.consumed += self._batch * self.world_size
+                self._after_step()
+            self._in_batches = False
         self.epoch, self.consumed = self.epoch + 1, 0
+
+    @contextlib.contextmanager
+    def _failures(self, where: str) -> Iterator[None]:
+        """Snapshot the last completed step when the loop fails or is left early (a
+        collective raised because a peer died, an exception, ``break``)."""
+        try:
+            yield
+        except GeneratorExit:
+            self._jit.failed(f"the loop over {where}() ended early")
+            raise
+        except SystemExit:  # our own stop: _complete() wrote the final snapshot
+            raise
+        except BaseException as exc:
+            self._jit.failed(f"{type(exc).__name__} in {where}(): {exc}")
+            raise
+
+    def _advance(self) -> int:
+        """Move the counters on as the loop does after ``optimizer.step()`` (for a
+        failure-time snapshot taken after the optimizer stepped)."""
+        if self._in_batches:
+            self.consumed += self._batch * self.world_size
+        self.step += 1
+        return self.step
 
     # -- state ------------------------------------------------------------------------------
 
@@ -177,10 +215,7 @@ class Run:
 
     def _stable(self) -> set[int]:
         """Tensors only ``optimizer.step()`` changes: copied in the background."""
-        ptrs = {p.data_ptr() for g in self.optimizer.param_groups for p in g["params"]}
-        for st in self.optimizer.state.values():
-            ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
-        return ptrs
+        return stable_ptrs(self.optimizer)
 
     def _apply(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -284,8 +319,7 @@ class Run:
         self.step += 1
         now = time.perf_counter()
         seconds, self._last_step_at = now - self._last_step_at, now
-        if self.snapshot_every and self.step % self.snapshot_every == 0:
-            self._snapshots.take(self.step, self._round, self.state(), self._stable())
+        self._jit.boundary(self.step)
         if self.rank == 0:
             fields: dict[str, Any] = {}
             if self._batch:
@@ -324,7 +358,9 @@ class Run:
 
     def _complete(self) -> None:
         """Finish: the snapshot in flight, a final persisted checkpoint, the signal handlers."""
-        self._snapshots.wait()
+        if self._store.owner != os.getpid():  # a restart of this node may use it
+            self._jit.failed("the loop stopped")
+        self._jit.wait()
         if self._checkpoints is not None:
             if self._last_saved != self.step and self.step > 0:
                 self._checkpoints.save(self.step, self._persist_state(), block=True)
@@ -337,7 +373,7 @@ class Run:
     def _teardown_groups(self) -> None:
         """Destroy the process groups before the process exits (their C++ threads must be
         joined while the interpreter is alive, or the exit can end in std::terminate)."""
-        self._hook.remove()
+        self._jit.close()
         self._store.close()
         if self.distributed and dist.is_initialized():
             if self._ctl is not None:
@@ -350,7 +386,7 @@ class Run:
         self._snapshots.wait()
         if self._checkpoints is not None:
             self._checkpoints.close()
-        self._hook.remove()
+        self._jit.close()
         if self._store.owner == os.getpid():  # no agent: nobody could ever use them
             self._store.remove()
         self._store.close()

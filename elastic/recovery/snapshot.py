@@ -39,14 +39,15 @@ from typing import Any
 
 import torch
 
-from elastic import procs
-from elastic.recovery.codec import RecoveryError, encode_meta, flatten, layout, view
+from elastic import env, procs
+from elastic.errors import RecoveryError
+from elastic.recovery.codec import encode_meta, flatten, layout, view
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = "/dev/shm"
-OWNER_ENV = "ELASTIC_SNAPSHOT_OWNER"  # the agent pid whose node the snapshot files belong to
-BACKGROUND_ENV = "ELASTIC_SNAPSHOT_BACKGROUND"  # 1/0: copy in a background thread or not
+OWNER_ENV = env.SNAPSHOT_OWNER  # kept for importers; the name lives in elastic.env
+BACKGROUND_ENV = env.SNAPSHOT_BACKGROUND
 MAGIC = b"ELSNAP01"
 _HEADER = struct.Struct("<8sQqqQQQ")  # magic, seq, step, round, meta_len, data_len, data_off
 HEADER_BYTES = 4096

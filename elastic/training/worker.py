@@ -33,7 +33,8 @@ from elastic.checkpoint import CheckpointManager, CommitFence
 from elastic.errors import CheckpointError, ConfigError
 from elastic.procs import WORKER_NAME, die_with_parent, set_name
 from elastic.recovery import exchange
-from elastic.recovery.snapshot import OWNER_ENV, SnapshotStore, Snapshotter
+from elastic.recovery.jit import StepSnapshots, parse_every
+from elastic.recovery.snapshot import SnapshotStore
 from elastic.training.config import (
     Config,
     DistributedConfig,
@@ -48,7 +49,7 @@ from elastic.training.train import StepResult, Trainer, build_optimizer, build_s
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_EVERY_ENV = "ELASTIC_SNAPSHOT_EVERY"  # steps between memory snapshots; 0 = off
+SNAPSHOT_EVERY_ENV = env.SNAPSHOT_EVERY  # kept for importers; the name lives in elastic.env
 
 
 @dataclass(frozen=True)
@@ -187,18 +188,32 @@ class Worker:
         )
         self.step = 0
         self.cursor = Cursor()
-        # On by default under elastic-agent, which removes the files; a plain torchrun
-        # would leave them in /dev/shm.
-        default = "1" if os.environ.get(OWNER_ENV) else "0"
-        self.snapshot_every = int(os.environ.get(SNAPSHOT_EVERY_ENV, default) or 0)
         self.round = int(getattr(commit_fence, "round", 0) or 0)
-        self.snapshots: Snapshotter | None = None
-        if self.snapshot_every > 0:
-            local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
-            self.snapshots = Snapshotter(SnapshotStore(self.run_id, local_rank))
-            snapshots = self.snapshots
-            self.optimizer.register_step_pre_hook(lambda *_: snapshots.wait())
+        self.snapshots = self._snapshots()
         self.resumed_from = "fresh"
+
+    def _snapshots(self) -> StepSnapshots | None:
+        """Memory snapshots: ``$ELASTIC_SNAPSHOT_EVERY`` (N, "auto" or 0); "auto" by default
+        under elastic-agent, which removes the files (a plain torchrun would leave them)."""
+        default = "auto" if os.environ.get(env.SNAPSHOT_OWNER) else "0"
+        raw = os.environ.get(env.SNAPSHOT_EVERY, default) or "0"
+        try:
+            every = parse_every(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"${env.SNAPSHOT_EVERY}: {exc}") from exc
+        if every == 0:
+            return None
+        store = SnapshotStore(self.run_id, int(os.environ.get(env.LOCAL_RANK, "0")))
+        return StepSnapshots(
+            store, self.optimizer, self.memory_state, self._advance, every, self.round
+        )
+
+    def _advance(self) -> int:
+        """Move the step and cursor on as :meth:`run` does after a step (for a snapshot
+        taken when a step failed after its optimizer step)."""
+        self.cursor = self.sampler.global_batch(self.cursor)[1]
+        self.step += 1
+        return self.step
 
     def memory_state(self) -> dict[str, Any]:
         """The state a memory snapshot holds (tensors are not copied)."""
@@ -215,14 +230,6 @@ class Worker:
             "scheduler": sched,
             "train": train,
         }
-
-    def _snapshot(self) -> None:
-        if self.snapshots is None or self.step % self.snapshot_every:
-            return
-        stable = {p.data_ptr() for g in self.optimizer.param_groups for p in g["params"]}
-        for st in self.optimizer.state.values():
-            stable.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
-        self.snapshots.take(self.step, self.round, self.memory_state(), stable)
 
     def _resume_from_memory(self) -> bool:
         """Agree with the group on the newest state; load it if someone holds it in memory."""
@@ -335,22 +342,15 @@ class Worker:
         end = min(self.total_steps, self.cfg.job.stop_at or self.total_steps)
         progress = _Progress(end, self.ctx.rank == 0 and self.cfg.job.progress_bar)
         last_saved = self.step if self.resumed_from == "storage" else None
-        while self.step < end:
-            started = time.perf_counter()
-            result = self.trainer.step(self.cursor, stop.requested)
-            self.step += 1
-            self.cursor = result.cursor
-            self._snapshot()
-            self._report(result, time.perf_counter() - started, progress)
-            pace = self.cfg.job.min_step_s - (time.perf_counter() - started)
-            if pace > 0:
-                time.sleep(pace)
-            if result.stop:
-                break
-            if self.step % self.cfg.checkpoint.interval == 0 and self.step < end:
-                self.save(block=False)
-                last_saved = self.step
+        try:
+            last_saved = self._loop(stop, end, progress, last_saved)
+        except BaseException as exc:  # a peer died (a collective raised), or worse
+            if self.snapshots is not None and not isinstance(exc, SystemExit):
+                self.snapshots.failed(f"{type(exc).__name__} in step {self.step + 1}: {exc}")
+            raise
         progress.close()
+        if self.snapshots is not None:
+            self.snapshots.failed("the loop stopped")  # the newest state, for a restart
         if last_saved != self.step:
             self.save(block=True)
         self.checkpoints.close()
@@ -361,6 +361,30 @@ class Worker:
             logger.info("A peer asked the group to stop; exiting for the group to re-form.")
             return reform.EXIT_CODE
         return reform.OK
+
+    def _loop(
+        self, stop: _StopFlag, end: int, progress: _Progress, last_saved: int | None
+    ) -> int | None:
+        """The training steps; returns the step last saved."""
+        if self.snapshots is not None:
+            self.snapshots.restart_clock()
+        while self.step < end:
+            started = time.perf_counter()
+            result = self.trainer.step(self.cursor, stop.requested)
+            self.step += 1
+            self.cursor = result.cursor
+            if self.snapshots is not None:
+                self.snapshots.boundary(self.step)
+            self._report(result, time.perf_counter() - started, progress)
+            pace = self.cfg.job.min_step_s - (time.perf_counter() - started)
+            if pace > 0:
+                time.sleep(pace)
+            if result.stop:
+                break
+            if self.step % self.cfg.checkpoint.interval == 0 and self.step < end:
+                self.save(block=False)
+                last_saved = self.step
+        return last_saved
 
     def _report(self, result: StepResult, seconds: float, progress: _Progress) -> None:
         samples_per_s = self.sampler.global_batch_size / max(seconds, 1e-9)
@@ -431,6 +455,7 @@ def train(cfg: Config, commit_fence: CommitFence | None = None) -> int:
         finally:
             if worker is not None and worker.snapshots is not None:
                 worker.snapshots.wait()
+                worker.snapshots.close()
                 store = worker.snapshots.store
                 if store.owner == os.getpid():  # no agent: nobody could ever use them
                     store.remove()
