@@ -8,12 +8,14 @@ off, then ``--steps`` steps with an async checkpoint every ``--interval`` steps
 it). Prints JSON with samples/s of both and the relative overhead.
 
 With ``--snapshot`` it trains ResNet-18 through :class:`elastic.Run` in ``--pairs``
-pairs of ``--steps``-step blocks, one with a snapshot after every step and one without,
-interleaved in one process (alternating which goes first), and reports the median of
-the paired time ratios with its 10th/90th percentiles, the snapshot's own time per step
-(on the training thread, in the background copy, and blocking the next optimizer step),
-then the peer transfer of that state between two gloo processes against plain loopback
-TCP measured in the same run.
+rounds of ``--steps``-step blocks, one per mode: snapshots off, after every step, and
+``"auto"`` (the adaptive interval, decided during the warm-up), interleaved in one
+process (the order rotates each round). It reports, for "every" and "auto", the median
+of the per-round time ratios against "off" with their 10th/90th percentiles, the
+snapshot's own time per step (on the training thread, in the background copy, and
+blocking the next optimizer step), the interval "auto" chose, the time of one
+failure-time snapshot, then (unless ``--skip-peer``) the peer transfer of that state
+between two gloo processes against plain loopback TCP measured in the same run.
 
 Usage: ``python bench/throughput.py [--config configs/default.yaml] [k=v ...]`` or
 ``python bench/throughput.py --snapshot [--pairs 20 --steps 5]``
@@ -28,6 +30,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,13 +57,21 @@ def _block(worker: Worker, steps: int, interval: int | None) -> float:
 # -- snapshot overhead (``--snapshot``) ------------------------------------------------------
 
 
-def _snapshot_block(run: Any, model: Any, opt: Any, batch: Any, steps: int) -> float:
-    """``steps`` training steps through ``run.steps``; return seconds per step."""
+def _snapshot_block(
+    run: Any, loop: Iterator[int], model: Any, opt: Any, batch: Any, steps: int
+) -> float:
+    """``steps`` training steps from ``loop`` (one long-lived ``run.steps``); seconds per step.
+
+    A block ends after the last step's body: that step's boundary (its snapshot, if due)
+    runs at the start of the mode's next block, so every block holds ``steps`` boundaries.
+    """
     import torch.nn.functional as F
 
     x, y = batch
+    run._jit.restart_clock()  # the pause between blocks is no step (the "auto" timing)
     started = time.perf_counter()
-    for _ in run.steps(run.step + steps):
+    for _ in range(steps):
+        next(loop)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -138,10 +149,38 @@ def _peer_rank(rank: int, tmp: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Paired short runs with and without per-step snapshots, and the peer transfer."""
-    import os
+MODES = {"off": 0, "every": 1, "auto": "auto"}
 
+
+def _per_step(stats: dict[str, float], steps: int) -> dict[str, float]:
+    """The snapshot's own milliseconds per training step."""
+    return {
+        f"{k}_ms_per_step": round(1e3 * stats[k] / max(steps, 1), 3)
+        for k in ("sync_s", "copy_s", "wait_s")
+    }
+
+
+def _quantiles(ratios: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
+    return {
+        "overhead_pct_median": round(100 * (statistics.median(ratios) - 1), 2),
+        "overhead_pct_p10": round(100 * (q[0] - 1), 2),
+        "overhead_pct_p90": round(100 * (q[-1] - 1), 2),
+    }
+
+
+def _failure_write_s(run: Any) -> float:
+    """Seconds for a failure-time snapshot (synchronous) of the current state."""
+    jit = run._jit
+    jit.wait()
+    jit.snapshotter.last_step = -1  # pretend the newest snapshot is older: force a write
+    started = time.perf_counter()
+    assert jit.failed("benchmark")
+    return time.perf_counter() - started
+
+
+def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Interleaved short runs with snapshots off, every step and "auto", and the peer transfer."""
     import torch.multiprocessing as mp
     import torchvision
 
@@ -157,31 +196,19 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
         torch.randint(0, 10, (args.batch,)),
     )
     tag = f"bench-{os.getpid()}"
-    on = Run(model, opt, snapshot_every=1, run_id=f"{tag}-on")
-    off = Run(model, opt, snapshot_every=0, run_id=f"{tag}-off")
-    _snapshot_block(on, model, opt, batch, 3)  # warm-up: allocations, the files' growth
-    _snapshot_block(off, model, opt, batch, 3)
-    on._snapshots.stats.update(count=0, sync_s=0.0, copy_s=0.0, wait_s=0.0)
-    ratios, t_on, t_off = [], [], []
+    runs = {m: Run(model, opt, snapshot_every=e, run_id=f"{tag}-{m}") for m, e in MODES.items()}
+    loops = {m: run.steps(10**9) for m, run in runs.items()}
+    for mode, warm in (("off", 3), ("every", 3), ("auto", 16)):  # "auto" decides in warm-up
+        _snapshot_block(runs[mode], loops[mode], model, opt, batch, warm)
+    marks = {m: (dict(r.snapshot_stats), r.step) for m, r in runs.items()}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    names = list(MODES)
     for pair in range(args.pairs):
-        blocks = [(on, t_on), (off, t_off)]
-        for run, into in blocks if pair % 2 else blocks[::-1]:
-            into.append(_snapshot_block(run, model, opt, batch, args.steps))
-        ratios.append(t_on[-1] / t_off[-1])
-    stats = on.snapshot_stats
-    on._store.remove()
-    on.close()
-    off.close()
-
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
-        out = os.path.join(tmp, "peer.json")
-        mp.spawn(_peer_rank, args=(tmp, out), nprocs=2)
-        with open(out) as f:
-            peer = json.load(f)
-    loopback = _loopback_mb_s(peer["bytes"])
-    quantiles = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
-    count = max(int(stats["count"]), 1)
-    return {
+        for mode in names[pair % 3 :] + names[: pair % 3]:  # rotate the order
+            times[mode].append(
+                _snapshot_block(runs[mode], loops[mode], model, opt, batch, args.steps)
+            )
+    result: dict[str, Any] = {
         "bench": "snapshot_overhead",
         "model": "resnet18",
         "batch": args.batch,
@@ -189,16 +216,39 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "pairs": args.pairs,
         "steps_per_block": args.steps,
-        "state_mb": round(stats["bytes"] / 1e6, 1),
-        "step_ms_off": round(1e3 * statistics.median(t_off), 2),
-        "step_ms_on": round(1e3 * statistics.median(t_on), 2),
-        "overhead_pct_median": round(100 * (statistics.median(ratios) - 1), 2),
-        "overhead_pct_p10": round(100 * (quantiles[0] - 1), 2),
-        "overhead_pct_p90": round(100 * (quantiles[-1] - 1), 2),
-        "snapshot_background": on._snapshots.background,
-        "snapshot_sync_ms_per_step": round(1e3 * stats["sync_s"] / count, 3),
-        "snapshot_copy_ms_per_step": round(1e3 * stats["copy_s"] / count, 3),
-        "snapshot_wait_ms_per_step": round(1e3 * stats["wait_s"] / count, 3),
+        "state_mb": round(runs["every"].snapshot_stats["bytes"] / 1e6, 1),
+        "snapshot_background": runs["every"]._snapshots.background,
+        "auto_interval": runs["auto"]._jit.interval,
+        "step_ms": {m: round(1e3 * statistics.median(t), 2) for m, t in times.items()},
+    }
+    for mode in ("every", "auto"):
+        ratios = [a / b for a, b in zip(times[mode], times["off"], strict=True)]
+        before, step0 = marks[mode]
+        stats = {k: runs[mode].snapshot_stats[k] - before[k] for k in before}
+        result[mode] = {
+            **_quantiles(ratios),
+            "snapshots": int(stats["count"]),
+            **_per_step(stats, runs[mode].step - step0),
+        }
+    result["failure_write_ms"] = round(1e3 * _failure_write_s(runs["auto"]), 1)
+    for mode, run in runs.items():
+        run.close()
+        loops[mode].close()
+        run._store.remove()
+    if not args.skip_peer:
+        result.update(_peer(mp))
+    return result
+
+
+def _peer(mp: Any) -> dict[str, Any]:
+    """The peer transfer of the snapshot between two gloo processes vs loopback TCP."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+        out = os.path.join(tmp, "peer.json")
+        mp.spawn(_peer_rank, args=(tmp, out), nprocs=2)
+        with open(out) as f:
+            peer = json.load(f)
+    loopback = _loopback_mb_s(peer["bytes"])
+    return {
         "peer_mb": round(peer["bytes"] / 1e6, 1),
         "peer_seconds": round(peer["seconds"], 4),
         "peer_mb_s": round(peer["bytes"] / 1e6 / peer["seconds"], 1),
@@ -217,6 +267,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--skip-peer", action="store_true", help="--snapshot: no peer transfer")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.snapshot:

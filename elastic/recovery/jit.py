@@ -245,7 +245,7 @@ class StepSnapshots:
     def failed(self, reason: str) -> bool:
         """Write the state of the last completed step now, synchronously, unless it is
         torn or already the newest snapshot. Never raises; returns whether it wrote."""
-        if not self.enabled:
+        if not self.enabled or not self._hooks:  # off, or closed
             return False
         if self._in_step:
             logger.warning(
@@ -289,7 +289,7 @@ class StepSnapshots:
         self.snapshotter.wait()
 
     def close(self) -> None:
-        """Remove the hooks (the snapshot files stay)."""
+        """Remove the hooks and stop snapshotting (the snapshot files stay)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -361,6 +361,7 @@ class Run:
         if self._store.owner != os.getpid():  # a restart of this node may use it
             self._jit.failed("the loop stopped")
         self._jit.wait()
+        self._jit.close()  # the loop is over: no failure-time snapshot from here on
         if self._checkpoints is not None:
             if self._last_saved != self.step and self.step > 0:
                 self._checkpoints.save(self.step, self._persist_state(), block=True)

@@ -349,8 +349,9 @@ class Worker:
                 self.snapshots.failed(f"{type(exc).__name__} in step {self.step + 1}: {exc}")
             raise
         progress.close()
-        if self.snapshots is not None:
-            self.snapshots.failed("the loop stopped")  # the newest state, for a restart
+        snapshots = self.snapshots
+        if snapshots is not None and snapshots.store.owner != os.getpid():
+            snapshots.failed("the loop stopped")  # the newest state, for this node's restart
         if last_saved != self.step:
             self.save(block=True)
         self.checkpoints.close()
