@@ -303,6 +303,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._cond = threading.Condition()
         self._stream = _Stream()
         self._stopped = threading.Event()
+        self._probe_now = threading.Event()  # wakes the probe thread (new peers to watch)
         self._threads: list[threading.Thread] = []
         # This node's announcement.
         self._member_lease = 0
@@ -581,6 +582,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             self._find_pred()
 
     def _set_pred(self, pred: Member | None, revision: int) -> None:
+        if pred != self._pred:
+            self._probe_now.set()
         self._pred = pred
         self._pred_seen = revision
         if pred is not None:
@@ -600,6 +603,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             return
         self._doc = decode_round(value)
         self._doc_rev = mod_revision
+        self._probe_now.set()  # a new round: see its peers accept while they are alive
         self._cond.notify_all()
 
     def _revoke(self) -> None:
@@ -616,13 +620,18 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         if self._threads:
             return
         self._stopped.clear()
-        for target, name in ((self._loop, "announce-watch"), (self._monitor, "announce-live")):
+        for target, name in (
+            (self._loop, "announce-watch"),
+            (self._monitor, "announce-live"),
+            (self._keeper, "announce-lease"),
+        ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def _stop_threads(self) -> None:
         self._stopped.set()
+        self._probe_now.set()
         self._stream.cancel()
         with self._cond:
             self._cond.notify_all()
@@ -665,20 +674,29 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             )
         return False
 
-    def _monitor(self) -> None:
-        """Keep this node's lease alive; probe the peer this node watches over."""
-        # Probes only need to beat the lease: a quarter of its TTL, between 1 and 2 s.
-        probe_every = min(max(PROBE_EVERY_S, self._ttl / 4), 2 * PROBE_EVERY_S)
-        next_keepalive = next_probe = time.monotonic() + min(probe_every, self._interval)
-        while not self._stopped.wait(max(0.0, min(next_keepalive, next_probe) - time.monotonic())):
-            now = time.monotonic()
+    def _keeper(self) -> None:
+        """Keep this node's lease alive (a thread of its own: a probe or a reap that waits
+        on a slow etcd must not delay the renewal, nor a slow renewal the probes)."""
+        while not self._stopped.wait(self._interval):
             try:
-                if now >= next_keepalive:
-                    next_keepalive = now + self._interval
-                    self._keep_alive()
-                if now >= next_probe:
-                    next_probe = now + probe_every
-                    self._probe_watched()
+                self._keep_alive()
+            except (EtcdConnectionError, grpc.RpcError) as exc:
+                self._outage(exc)
+            except Exception:
+                logger.exception("The keep-alive thread of '%s' failed; retrying.", self._name)
+
+    def _monitor(self) -> None:
+        """Probe the peers this node watches over: every quarter lease TTL (1-2 s), and at
+        once when they change (a new round, a new predecessor), so that a peer is seen
+        accepting before it can die: a refusal only counts from a port that accepted."""
+        probe_every = min(max(PROBE_EVERY_S, self._ttl / 4), 2 * PROBE_EVERY_S)
+        while not self._stopped.is_set():
+            self._probe_now.wait(probe_every)
+            self._probe_now.clear()
+            if self._stopped.is_set():
+                return
+            try:
+                self._probe_watched()
             except (EtcdConnectionError, grpc.RpcError) as exc:
                 self._outage(exc)
             except Exception:
@@ -856,17 +874,37 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
     def _ready(self) -> tuple[list[Member], list[Member]]:
         """(ready, running): live nodes that want a new round, and members of the
-        newest round that still run it."""
+        newest round that still run it. A stale node (:meth:`_stale`) is neither."""
         doc = self._doc
         round_ = int(doc.get("round", -1))
         current = doc.get("members", {})
         ready, running = [], []
         for member in self._members.values():
-            if member.name not in current or member.after >= round_:
+            if member.after >= round_ or (member.name not in current and not self._stale(member)):
                 ready.append(member)
-            else:
+            elif member.name in current:
                 running.append(member)
         return ready, running
+
+    def _stale(self, member: Member) -> bool:
+        """Whether ``member`` was left out of the newest round while it still ran the one
+        before, and has not announced since: dead with its death not proven (no probe
+        answer; its key lives until its lease expires) or too slow to see the new round.
+        It is no joiner: taking it in would make the next round wait for a dead node.
+        Once it announces again (it saw that it was dropped) it is ready as any node."""
+        stale = self._doc.get("stale", {})
+        return isinstance(stale, dict) and stale.get(member.name) == member.mod_revision
+
+    def _back_together(self, ready: list[Member], running: list[Member]) -> bool:
+        """The early close: the open round only re-forms the newest one, and every member
+        of it still alive (its key neither reaped as dead, nor revoked by a leave, nor
+        expired) has announced again, and nobody else waits. No one else is coming, so
+        the round needs no last call; a new node still gets one (so that several nodes
+        arriving together land in one round), and so does a run's first round."""
+        previous = self._doc.get("members")
+        if not previous or running or not ready:
+            return False
+        return {m.name for m in ready} == set(previous) & set(self._members)
 
     def _unready_members(self) -> list[Member]:
         """Members still running the old round while others wait for a new one."""
@@ -883,7 +921,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         if not doc.get("closed") and len(candidates) >= self._min_nodes:
             if self._first_ready is None:
                 self._first_ready = now
-            if len(ready) >= self._max_nodes:
+            if len(ready) >= self._max_nodes or self._back_together(ready, running):
                 return "publish", 0.0
             quiet = self._last_change + self._last_call - now
             patience = self._first_ready + self._close_timeout - now
@@ -984,7 +1022,9 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             for timer in timers:
                 timer.cancel()
 
-    def _round_doc(self, round_: int, chosen: list[Member]) -> dict[str, Any]:
+    def _round_doc(
+        self, round_: int, chosen: list[Member], stale: dict[str, int]
+    ) -> dict[str, Any]:
         ordered = sorted(chosen, key=lambda m: m.order)
         ranks = {m.name: rank for rank, m in enumerate(ordered)}
         return {
@@ -995,6 +1035,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             "closer": self._name,
             "waiting": 0,
             "lost": [],
+            "stale": stale,
         }
 
     def _fenced_put(self, doc: dict[str, Any], high: int | None) -> Any:
@@ -1041,12 +1082,19 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
     def _publish(self) -> None:
         with self._cond:
-            ready, _ = self._ready()
+            ready, running = self._ready()
             chosen = sorted(ready, key=lambda m: m.create_revision)[: self._max_nodes]
             round_ = int(self._doc.get("round", -1)) + 1
             if self._high is not None:
                 round_ = max(round_, self._high + 1)
-            doc = self._round_doc(round_, chosen)  # the rest wait: the round is full
+            # Members left behind while still running (close_timeout passed) are stale
+            # until they announce again, as are those already stale.
+            stale = {
+                m.name: m.mod_revision
+                for m in self._members.values()
+                if m in running or self._stale(m)
+            }
+            doc = self._round_doc(round_, chosen, stale)  # the rest wait: the round is full
         response = self._fenced_put(doc, round_)
         if not response.succeeded:
             return
