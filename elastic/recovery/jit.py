@@ -15,9 +15,10 @@ Torn states are guarded by an optimizer step pre- and post-hook:
 * after ``optimizer.step()`` but before the loop advanced its counters, the owner's
   ``advance`` callable moves the step counter and data cursor on exactly as the loop
   would have, and the live state is written;
-* otherwise the state kept at the last step boundary is written: the tensors only
-  ``optimizer.step()`` changes (parameters, optimizer state) are live and unchanged,
-  the others (BatchNorm buffers, RNG states, counters) were copied at the boundary.
+* otherwise the state of the last step boundary is written: the tensors only
+  ``optimizer.step()`` changes (parameters, optimizer state) are live and unchanged;
+  the rest (the model's buffers, such as BatchNorm statistics, and the counters, RNG
+  and schedule) was copied at the boundary (about 0.2 ms a step for ResNet-18).
 
 ``every="auto"`` (the default) measures the snapshot's cost (its synchronous part and
 its background copy) over the first :data:`PROBE_SNAPSHOTS` snapshots and the step
@@ -35,6 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -82,17 +84,39 @@ def stable_ptrs(optimizer: torch.optim.Optimizer) -> set[int]:
     return ptrs
 
 
-def _hold(value: Any, stable: set[int]) -> Any:
-    """``value`` with every tensor not in ``stable`` copied (a step boundary's state)."""
+def _swap(value: Any, held: dict[int, torch.Tensor]) -> Any:
+    """``value`` with every tensor whose storage ``held`` maps replaced by that copy."""
     if isinstance(value, torch.Tensor):
-        return value if value.data_ptr() in stable else value.detach().clone()
+        return held.get(value.data_ptr(), value) if value.numel() else value
     if isinstance(value, dict):
-        return {k: _hold(v, stable) for k, v in value.items()}
+        return {k: _swap(v, held) for k, v in value.items()}
     if isinstance(value, list):
-        return [_hold(v, stable) for v in value]
+        return [_swap(v, held) for v in value]
     if isinstance(value, tuple):
-        return tuple(_hold(v, stable) for v in value)
+        return tuple(_swap(v, held) for v in value)
     return value
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What changes after a step boundary outside ``optimizer.step()``, kept at it: the
+    counters, RNG and schedule (``extra``) and copies of the model's buffers (BatchNorm
+    statistics, by storage); None for both: the live state is the boundary's."""
+
+    step: int
+    extra: dict[str, Any] | None = None
+    buffers: dict[int, torch.Tensor] | None = None
+
+    @classmethod
+    def keep(cls, step: int, model: torch.nn.Module, extra: dict[str, Any]) -> Boundary:
+        buffers = {b.data_ptr(): b.detach().clone() for b in model.buffers() if b.numel()}
+        return cls(step, extra, buffers)
+
+    def state(self, live: dict[str, Any]) -> dict[str, Any]:
+        """The boundary's state from the ``live`` one (tensors not copied)."""
+        if self.extra is None:
+            return live
+        return {**_swap(live, self.buffers or {}), **self.extra}
 
 
 class AutoInterval:
@@ -144,6 +168,10 @@ class StepSnapshots:
         store: this rank's snapshot files.
         optimizer: the optimizer (step hooks tell a torn state from a whole one).
         state: returns the state a snapshot holds (tensors not copied).
+        model: the model (its buffers change in the forward pass).
+        extra: returns the top-level entries of ``state()`` that change outside
+            ``optimizer.step()`` (counters, RNG, LR schedule, sampler), kept at each
+            step boundary (they must not alias live tensors).
         advance: moves the step counter and data cursor on as the loop does after a
             step, and returns the new step (used when ``optimizer.step()`` ran but the
             loop did not reach its end).
@@ -159,6 +187,9 @@ class StepSnapshots:
         advance: Callable[[], int],
         every: Every = AUTO,
         round_: int = 0,
+        *,
+        model: torch.nn.Module,
+        extra: Callable[[], dict[str, Any]],
         background: bool | None = None,
     ) -> None:
         self.snapshotter = Snapshotter(store, background)
@@ -166,9 +197,10 @@ class StepSnapshots:
         self.auto = AutoInterval() if self.every == AUTO else None
         self.optimizer = optimizer
         self.round = round_
-        self._state, self._advance = state, advance
+        self._state, self._advance, self._extra = state, advance, extra
+        self.model = model
         self._in_step = self._stepped = False
-        self._boundary: tuple[int, Any] | None = None
+        self._boundary: Boundary | None = None
         self._cost_mark: float | None = None
         self._clock = time.perf_counter()
         self._timed = False  # the first step after a (re)start includes the start
@@ -215,13 +247,11 @@ class StepSnapshots:
         if not self.enabled:
             return
         self._observe(step_s)
-        state = self._state()
-        stable = stable_ptrs(self.optimizer)
         if self._due(step):
             stats = self.snapshotter.stats
             self._cost_mark = stats["sync_s"] + stats["copy_s"]
-            self.snapshotter.take(step, self.round, state, stable)
-        self._boundary = (step, _hold(state, stable))
+            self.snapshotter.take(step, self.round, self._state(), stable_ptrs(self.optimizer))
+        self._boundary = Boundary.keep(step, self.model, self._extra())
 
     def _due(self, step: int) -> bool:
         if self.auto is not None:
@@ -267,14 +297,13 @@ class StepSnapshots:
             self.snapshotter.wait()
         except Exception as exc:  # the periodic copy failed; write this one regardless
             logger.warning("The snapshot in flight failed (%s); writing a new one.", exc)
-        if self._stepped:
+        if self._stepped:  # the optimizer stepped: the live state is the next boundary's
             self._stepped = False
-            step = self._advance()
-            self._boundary = (step, self._state())
-        if self._boundary is None or self._boundary[0] <= self.snapshotter.last_step:
+            self._boundary = Boundary(self._advance())
+        if self._boundary is None or self._boundary.step <= self.snapshotter.last_step:
             return False
-        step, state = self._boundary
-        self.snapshotter.take(step, self.round, state, set())
+        step = self._boundary.step
+        self.snapshotter.take(step, self.round, self._boundary.state(self._state()), set())
         self.snapshotter.wait()
         logger.warning(
             "Wrote the state of step %d to %s in %.3f s (%s).",

@@ -111,7 +111,14 @@ class Run:
         local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
         self._store = SnapshotStore(self.run_id, local_rank, directory=snapshot_dir)
         self._jit = StepSnapshots(
-            self._store, optimizer, self.state, self._advance, snapshot_every, self._round
+            self._store,
+            optimizer,
+            self.state,
+            self._advance,
+            snapshot_every,
+            self._round,
+            model=model,
+            extra=self._extra,
         )
         self._snapshots = self._jit.snapshotter
         self._in_batches = False

@@ -205,7 +205,14 @@ class Worker:
             return None
         store = SnapshotStore(self.run_id, int(os.environ.get(env.LOCAL_RANK, "0")))
         return StepSnapshots(
-            store, self.optimizer, self.memory_state, self._advance, every, self.round
+            store,
+            self.optimizer,
+            self.memory_state,
+            self._advance,
+            every,
+            self.round,
+            model=self.model,
+            extra=self._memory_extra,
         )
 
     def _advance(self) -> int:
@@ -217,6 +224,14 @@ class Worker:
 
     def memory_state(self) -> dict[str, Any]:
         """The state a memory snapshot holds (tensors are not copied)."""
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            **self._memory_extra(),
+        }
+
+    def _memory_extra(self) -> dict[str, Any]:
+        """The part of :meth:`memory_state` that changes outside ``optimizer.step()``."""
         sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
         train = {
             "step": self.step,
@@ -224,12 +239,7 @@ class Worker:
             "world_size": self.ctx.world_size,
             "rng_cpu": torch.get_rng_state(),
         }
-        return {
-            "model": self.model.state_dict(),
-            "optim": self.optimizer.state_dict(),
-            "scheduler": sched,
-            "train": train,
-        }
+        return {"scheduler": sched, "train": train}
 
     def _resume_from_memory(self) -> bool:
         """Agree with the group on the newest state; load it if someone holds it in memory."""
