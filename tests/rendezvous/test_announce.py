@@ -37,8 +37,9 @@ MAX_REQUESTS_PER_ROUND = 5
 class Nodes:
     """In-process handlers of one run, each on its own etcd client, closed at the end."""
 
-    def __init__(self, etcd: EtcdServer, run_id: str, nnodes: str) -> None:
+    def __init__(self, etcd: EtcdServer, run_id: str, nnodes: str, **conf: str) -> None:
         self.etcd, self.run_id = etcd, run_id
+        self.conf = {**CONF, **conf}
         self.min, self.max = (int(n) for n in (nnodes.split(":") * 2)[:2])
         self.handlers: list[AnnounceRendezvousHandler] = []
 
@@ -52,7 +53,7 @@ class Nodes:
                 self.min,
                 self.max,
                 local_addr="127.0.0.1",
-                **CONF,
+                **self.conf,
             )
             new.append(build_announce_handler(params, RendezvousOptions.from_params(params)))
         self.handlers += new
@@ -64,11 +65,12 @@ class Nodes:
 
 
 @pytest.fixture
-def nodes(etcd: EtcdServer, run_id: str) -> Iterator[Callable[[str], Nodes]]:
+def nodes(etcd: EtcdServer, run_id: str) -> Iterator[Callable[..., Nodes]]:
+    """``nodes("min:max", option=value, ...)``: a run; options override :data:`CONF`."""
     made: list[Nodes] = []
 
-    def make(nnodes: str) -> Nodes:
-        made.append(Nodes(etcd, run_id, nnodes))
+    def make(nnodes: str, **conf: str) -> Nodes:
+        made.append(Nodes(etcd, run_id, nnodes, **conf))
         return made[-1]
 
     yield make
@@ -97,6 +99,21 @@ def join_all(handlers: list[AnnounceRendezvousHandler]) -> dict[str, RendezvousI
     return infos
 
 
+def kill(h: AnnounceRendezvousHandler) -> None:
+    """As kill -9 of the node's agent: its threads stop and its probe port closes, while its
+    lease lives on until it expires (or the reaper deletes its key)."""
+    h._stop_threads()
+    assert h._listener is not None
+    h._listener.close()
+    h._member_lease = 0
+
+
+def pause(seconds: float) -> None:
+    """Let the background threads act for ``seconds`` (a deadline, not a bare sleep)."""
+    until = time.monotonic() + seconds
+    wait_until(lambda: time.monotonic() > until, seconds + 5, f"{seconds} s to pass")
+
+
 def round_of(h: AnnounceRendezvousHandler) -> int:
     return int(h._joined_round)  # type: ignore[arg-type]
 
@@ -112,7 +129,7 @@ def assert_one_round(infos: dict[str, RendezvousInfo], handlers: list[Any]) -> N
 
 
 @pytest.mark.parametrize("n", [8, 32])
-def test_a_round_of_n_nodes_forms(nodes: Callable[[str], Nodes], n: int) -> None:
+def test_a_round_of_n_nodes_forms(nodes: Callable[..., Nodes], n: int) -> None:
     run = nodes(f"{n}:{n}")
     handlers = run.add(n)
     infos = join_all(handlers)
@@ -124,7 +141,7 @@ def test_a_round_of_n_nodes_forms(nodes: Callable[[str], Nodes], n: int) -> None
 
 
 def test_a_joiner_is_seen_as_joiners_and_taken_in_at_the_next_round(
-    nodes: Callable[[str], Nodes],
+    nodes: Callable[..., Nodes],
 ) -> None:
     run = nodes("2:8")
     first = run.add(3)
@@ -152,19 +169,14 @@ def test_a_joiner_is_seen_as_joiners_and_taken_in_at_the_next_round(
     assert round_of(late) == start + 1, "taken in with at most one extra round"
 
 
-def test_a_killed_member_is_removed(nodes: Callable[[str], Nodes]) -> None:
+def test_a_killed_member_is_removed(nodes: Callable[..., Nodes]) -> None:
     """A member whose agent is gone (probe port refused) is reaped long before its lease
     would expire; one whose lease is revoked vanishes at once."""
     run = nodes("1:4")
     handlers = run.add(4)
     join_all(handlers)
     victim, revoked = handlers[1], handlers[2]
-    # kill -9 of the victim's agent: its threads stop, its probe port closes, its lease
-    # lives on (TTL 3 s) but must not be waited for.
-    victim._stop_threads()
-    assert victim._listener is not None
-    victim._listener.close()
-    victim._member_lease = 0  # the lease is left to expire (or to the reaper)
+    kill(victim)  # its lease lives on (TTL 3 s) but must not be waited for
     revoked._stop_threads()
     revoked._revoke()
     survivors = [handlers[0], handlers[3]]
@@ -181,7 +193,7 @@ def test_a_killed_member_is_removed(nodes: Callable[[str], Nodes]) -> None:
     assert_one_round(infos, survivors)
 
 
-def test_ten_joiners_at_once_take_at_most_one_extra_round(nodes: Callable[[str], Nodes]) -> None:
+def test_ten_joiners_at_once_take_at_most_one_extra_round(nodes: Callable[..., Nodes]) -> None:
     run = nodes("2:16")
     first = run.add(4)
     join_all(first)
@@ -205,7 +217,7 @@ def test_ten_joiners_at_once_take_at_most_one_extra_round(nodes: Callable[[str],
 
 
 @pytest.mark.parametrize("n", [8, 32])
-def test_etcd_requests_per_node_per_round(nodes: Callable[[str], Nodes], n: int) -> None:
+def test_etcd_requests_per_node_per_round(nodes: Callable[..., Nodes], n: int) -> None:
     """Worst node's etcd requests for one round (keep-alives apart: one per second each)."""
     run = nodes(f"{n}:{n}")
     handlers = run.add(n)
@@ -221,7 +233,7 @@ def test_etcd_requests_per_node_per_round(nodes: Callable[[str], Nodes], n: int)
 
 
 def test_nodes_beyond_max_nodes_wait_without_breaking_up_a_full_round(
-    nodes: Callable[[str], Nodes],
+    nodes: Callable[..., Nodes],
 ) -> None:
     """A full round (max_nodes) is not re-formed for a node that could not join it (torch's
     redundancy list); once a member is lost, the waiting node takes its place."""
@@ -249,3 +261,98 @@ def test_nodes_beyond_max_nodes_wait_without_breaking_up_a_full_round(
     wait_until(lambda: "x" in joined, 30, "the waiting node to join")
     infos[extra.name] = joined["x"]
     assert_one_round(infos, [closer, extra])
+
+
+# Leases of 60 s (20 s x 3): a test that passes re-formed through a probe, not an expiry.
+LONG_LEASE = {"keep_alive_interval": "20", "keep_alive_max_attempt": "3"}
+
+
+def test_a_member_killed_just_after_its_round_formed_is_reaped_not_waited_for(
+    nodes: Callable[..., Nodes],
+) -> None:
+    """Issue 12: a node killed before its watcher's first periodic probe had never been seen
+    accepting, so its refused port proved nothing; the survivors waited for close_timeout,
+    then took the dead node (its key alive until its lease expired) into the next round.
+    Peers are now probed as soon as a round forms, so the kill is proven at once."""
+    run = nodes("1:3", **LONG_LEASE)
+    handlers = run.add(3)
+    join_all(handlers)
+    pause(0.5)  # less than any worker takes to start, and than the 2 s probe period
+    killed_at = time.monotonic()
+    kill(handlers[1])
+    survivors = [handlers[0], handlers[2]]
+    wait_until(lambda: all(h.membership_change() for h in survivors), 20, "PEERS_LOST")
+    infos = join_all(survivors)
+    assert_one_round(infos, survivors)
+    took = time.monotonic() - killed_at
+    assert took < 10, f"re-formed {took:.1f} s after the kill (lease 60 s, close_timeout 30 s)"
+
+
+def test_a_round_that_only_re_forms_the_previous_one_closes_without_the_last_call(
+    nodes: Callable[..., Nodes],
+) -> None:
+    """Early close: once every live member of the previous round is back and nobody else
+    waits, the round closes at once; a new node still gets the last call."""
+    last_call = 5.0
+    run = nodes("2:4", last_call_timeout=str(last_call))
+    handlers = run.add(4)
+    join_all(handlers)  # max_nodes: no last call either
+    for victim in handlers[1:3]:
+        kill(victim)
+    survivors = [handlers[0], handlers[3]]
+    wait_until(lambda: all(h.membership_change() for h in survivors), 20, "PEERS_LOST")
+    started = time.monotonic()
+    infos = join_all(survivors)
+    early = time.monotonic() - started
+    assert_one_round(infos, survivors)
+    assert early < last_call / 2, f"{early:.1f} s: the survivors waited for the last call"
+
+    [newcomer] = run.add(1)
+    joined: dict[str, RendezvousInfo] = {}
+    thread = threading.Thread(target=lambda: joined.update(x=newcomer.next_rendezvous()))
+    thread.start()
+    wait_until(lambda: all(h.membership_change() for h in survivors), 20, "JOINERS")
+    started = time.monotonic()
+    infos = join_all(survivors)
+    late = time.monotonic() - started
+    thread.join(30)
+    infos[newcomer.name] = joined["x"]
+    assert_one_round(infos, [*survivors, newcomer])
+    assert late > last_call - 1.5, f"{late:.1f} s: a new node must get the last call"
+
+
+def test_a_member_left_behind_by_close_timeout_is_no_joiner_until_it_announces(
+    nodes: Callable[..., Nodes],
+) -> None:
+    """A member that neither asks for a new round nor dies provably (a hung agent, or a dead
+    one whose port was never seen accepting) is left behind after close_timeout. Until it
+    announces again it is no joiner: the new round must not re-form for it at once."""
+    run = nodes("1:3", close_timeout="2")
+    handlers = run.add(3)
+    join_all(handlers)
+    slow = next(h for h in handlers if not h._closer)
+    others = [h for h in handlers if h is not slow]
+    for h in others:
+        h.request_reform()
+    infos = join_all(others)  # close_timeout: without the slow member
+    assert_one_round(infos, others)
+    pause(2.0)  # the closer has seen the slow member's key all along
+    assert all(h.membership_change() is None for h in others)
+    dropped = slow.membership_change()
+    assert dropped is not None and dropped.kind is ChangeKind.DROPPED
+
+    joined: dict[str, RendezvousInfo] = {}
+    thread = threading.Thread(target=lambda: joined.update(x=slow.next_rendezvous()))
+    thread.start()
+    changes = wait_until(
+        lambda: (
+            all(h.membership_change() for h in others) and [h.membership_change() for h in others]
+        ),
+        20,
+        "JOINERS",
+    )
+    assert {c.kind for c in changes} == {ChangeKind.JOINERS}
+    infos = join_all(others)
+    thread.join(30)
+    infos[slow.name] = joined["x"]
+    assert_one_round(infos, handlers)
