@@ -24,17 +24,30 @@ Small hooks into torch's agent:
   the agent removes its files when it exits, and on start those of agents that are gone.
 * **Metrics** (:mod:`elastic.metrics`, with ``--metrics-port``): each round, change,
   failure and spent restart is recorded; the hooks do nothing when metrics are off.
+* **A worker's exit is noticed at once.** torch sleeps ``--monitor-interval`` between
+  checks, so a worker that fails (its peer was killed: gloo's connection closed) waits
+  half an interval on average to be seen. Here the wait between checks ends as soon
+  as a worker process ends (:meth:`NodeAgent._wait_for_worker_exit`); the interval
+  still paces the checks of healthy workers and of the rendezvous.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
+import time
+from multiprocessing.connection import wait
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -52,6 +65,7 @@ class NodeAgent(LocalElasticAgent):
     """LocalElasticAgent that re-forms on request and leaves the rendezvous when told to stop."""
 
     _change: MembershipChange | None = None  # what made the current restart, once seen
+    _tick_s: float | None = None  # the monitor interval, while _invoke_run waits on exits
 
     def _handler(self) -> MembershipHandler | None:
         handler = self._worker_group.spec.rdzv_handler
@@ -85,7 +99,28 @@ class NodeAgent(LocalElasticAgent):
         super()._rendezvous(worker_group)
         metrics.on_round(worker_group)
 
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        # torch's loop sleeps the interval before each check; ours waits it out in
+        # _monitor_workers instead, waking when a worker ends.
+        spec = self._worker_group.spec
+        self._tick_s, spec.monitor_interval = spec.monitor_interval, 0.0
+        try:
+            return super()._invoke_run(role)
+        finally:
+            spec.monitor_interval, self._tick_s = self._tick_s, None
+
+    def _wait_for_worker_exit(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` seconds, waking as soon as a worker process ends."""
+        with contextlib.ExitStack() as stack:
+            handles = _exit_handles(getattr(self, "_pcontext", None), stack)
+            if handles:
+                wait(handles, timeout)
+            else:
+                time.sleep(timeout)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self._tick_s is not None:
+            self._wait_for_worker_exit(self._tick_s)
         result = super()._monitor_workers(worker_group)
         handler = self._handler()
         if handler is None:
@@ -167,6 +202,28 @@ class NodeAgent(LocalElasticAgent):
             raise
         finally:
             snapshot.remove_owned(os.getpid())
+
+
+def _exit_handles(pcontext: Any, stack: contextlib.ExitStack) -> list[Any]:
+    """What becomes ready when one of ``pcontext``'s running workers ends: the process
+    sentinels torch itself joins on (workers started as functions, warm starts), or a
+    pidfd per running process (workers started as commands); [] if neither is known."""
+    sentinels = getattr(getattr(pcontext, "_pc", None), "sentinels", None)
+    if sentinels:
+        return list(sentinels)
+    handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+    fds = []
+    for handler in handlers.values():
+        proc = getattr(handler, "proc", None)
+        if proc is None or proc.returncode is not None:
+            continue
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # no pidfd here (old kernel): torch's sleep
+            return []
+        stack.callback(os.close, fd)
+        fds.append(fd)
+    return fds
 
 
 class _ReformIsNotAFailure(logging.Filter):

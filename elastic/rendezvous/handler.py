@@ -29,10 +29,12 @@ every change. The hook
 replaces torch's module-level ``_delay`` but acts only in threads running our
 handler's join; every other caller keeps torch's plain sleep.
 
-While it waits, a node also probes peers whose heartbeats are late and removes
-those whose agent is certainly gone (:mod:`elastic.rendezvous.liveness`); the
-handler is built on the state holder and op executor of
-:mod:`elastic.rendezvous.rounds`.
+While it waits, a node also probes peers whose heartbeats are late, and the
+participants of a completed round it waits to replace, and removes those whose
+agent is certainly gone (:mod:`elastic.rendezvous.liveness`); the handler is built
+on the state holder and op executor of :mod:`elastic.rendezvous.rounds`, where a
+round that only re-forms the previous one closes as soon as every live member is
+back instead of after the last call.
 """
 
 from __future__ import annotations

@@ -1,0 +1,81 @@
+"""The agent's wait between worker checks ends as soon as a worker process ends.
+
+Real processes, real ``kill -9``; the agent is built bare (only the wait is under test).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from agents.agent import NodeAgent
+from tests.helpers import kill_pid
+
+LONG_S = 30.0  # the monitor interval under test: a wait that ran it out failed
+
+
+def bare_agent(pcontext: object) -> NodeAgent:
+    agent = NodeAgent.__new__(NodeAgent)
+    agent._pcontext = pcontext  # type: ignore[assignment]
+    return agent
+
+
+def timed_wait(agent: NodeAgent, timeout: float = LONG_S) -> float:
+    started = time.monotonic()
+    agent._wait_for_worker_exit(timeout)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+def command_worker() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    kill_pid(proc.pid)
+    proc.wait(10)
+
+
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+@pytest.fixture
+def function_worker() -> Iterator[multiprocessing.process.BaseProcess]:
+    proc = multiprocessing.get_context("spawn").Process(target=_sleep_forever, daemon=True)
+    proc.start()
+    yield proc
+    kill_pid(proc.pid)  # type: ignore[arg-type]
+    proc.join(10)
+
+
+def test_a_killed_command_worker_ends_the_wait(command_worker: subprocess.Popen[bytes]) -> None:
+    handlers = {0: SimpleNamespace(proc=command_worker)}
+    agent = bare_agent(SimpleNamespace(subprocess_handlers=handlers))
+    command_worker.send_signal(signal.SIGKILL)
+    assert timed_wait(agent) < LONG_S / 3
+
+
+def test_a_killed_function_worker_ends_the_wait(
+    function_worker: multiprocessing.process.BaseProcess,
+) -> None:
+    context = SimpleNamespace(sentinels={function_worker.sentinel: 0})
+    agent = bare_agent(SimpleNamespace(_pc=context))
+    function_worker.kill()
+    assert timed_wait(agent) < LONG_S / 3
+
+
+def test_running_workers_keep_the_interval(command_worker: subprocess.Popen[bytes]) -> None:
+    agent = bare_agent(
+        SimpleNamespace(subprocess_handlers={0: SimpleNamespace(proc=command_worker)})
+    )
+    assert timed_wait(agent, 0.3) >= 0.3
+
+
+def test_without_workers_the_wait_is_torchs_sleep() -> None:
+    assert timed_wait(bare_agent(None), 0.2) >= 0.2
