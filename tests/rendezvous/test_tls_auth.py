@@ -15,6 +15,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic.errors import EtcdConnectionError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer, find_etcd
+from elastic.rendezvous.announce import build_announce_handler
+from elastic.rendezvous.options import ALGORITHMS, RendezvousOptions
 from elastic.rendezvous.registry import create_backend
 from tests.helpers import PYTHON, REPO, node_env, wait_until
 from tests.rendezvous.tls import Certs, make_certs
@@ -167,6 +169,40 @@ def test_rendezvous_backend_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: s
     assert store.get("k") == b"v"
 
 
+def test_announce_rendezvous_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: str) -> None:
+    """The announce algorithm's own requests (leases, keep-alives, watches, transactions)
+    over TLS with a client certificate and a password."""
+    c = secure_etcd.certs
+    params = RendezvousParameters(
+        "etcd-v3",
+        f"https://{secure_etcd.server.endpoint}",
+        run_id,
+        1,
+        2,
+        cacert=str(c.ca),
+        cert=str(c.client_cert),
+        key=str(c.client_key),
+        user="root",
+        password=PASSWORD,
+        algorithm="announce",
+        last_call_timeout="0.2",
+        keep_alive_interval="1",
+        keep_alive_max_attempt="3",
+        local_addr="127.0.0.1",
+    )
+    handler = build_announce_handler(params, RendezvousOptions.from_params(params))
+    try:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("k", "v")
+        assert info.store.get("k") == b"v"
+        keepalives = handler.keepalives
+        wait_until(lambda: handler.keepalives > keepalives, 10, "a keep-alive over TLS")
+        assert handler.membership_change() is None
+    finally:
+        assert handler.shutdown()
+
+
 ENV_DUMP = """
 import json, os, sys
 open(sys.argv[1], "w").write(json.dumps(dict(os.environ)))
@@ -193,10 +229,11 @@ def run_agent_dumping_env(
     return result, dump.read_text()
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_the_password_reaches_no_worker_environment_and_no_log(
-    secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
+    secure_etcd: SecureEtcd, tmp_path: Path, run_id: str, algorithm: str
 ) -> None:
-    conf = "profile=fast-failover,join_timeout=60,user=root"
+    conf = f"profile=fast-failover,join_timeout=60,user=root,algorithm={algorithm}"
     result, worker_env = run_agent_dumping_env(
         secure_etcd, tmp_path, run_id, conf, ELASTIC_ETCD_PASSWORD=PASSWORD
     )
