@@ -198,16 +198,15 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
     tag = f"bench-{os.getpid()}"
     runs = {m: Run(model, opt, snapshot_every=e, run_id=f"{tag}-{m}") for m, e in MODES.items()}
     loops = {m: run.steps(10**9) for m, run in runs.items()}
-    for mode, warm in (("off", 3), ("every", 3), ("auto", 16)):  # "auto" decides in warm-up
+    for mode, warm in (("off", 3), ("every", 3), ("auto", 20)):  # "auto" decides in warm-up
         _snapshot_block(runs[mode], loops[mode], model, opt, batch, warm)
     marks = {m: (dict(r.snapshot_stats), r.step) for m, r in runs.items()}
+    steps = max(args.steps, runs["auto"]._jit.interval or 1)  # an "auto" block: >= 1 snapshot
     times: dict[str, list[float]] = {m: [] for m in MODES}
     names = list(MODES)
     for pair in range(args.pairs):
         for mode in names[pair % 3 :] + names[: pair % 3]:  # rotate the order
-            times[mode].append(
-                _snapshot_block(runs[mode], loops[mode], model, opt, batch, args.steps)
-            )
+            times[mode].append(_snapshot_block(runs[mode], loops[mode], model, opt, batch, steps))
     result: dict[str, Any] = {
         "bench": "snapshot_overhead",
         "model": "resnet18",
@@ -215,7 +214,7 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
         "image_size": args.image_size,
         "threads": torch.get_num_threads(),
         "pairs": args.pairs,
-        "steps_per_block": args.steps,
+        "steps_per_block": steps,
         "state_mb": round(runs["every"].snapshot_stats["bytes"] / 1e6, 1),
         "snapshot_background": runs["every"]._snapshots.background,
         "auto_interval": runs["auto"]._jit.interval,

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 AUTO_BUDGET = 0.025  # the snapshot's share of the step time "auto" aims at (goal: <= 3 %)
 PROBE_SNAPSHOTS = 4  # snapshots "auto" times (the first two also grow the files)
-PROBE_STEPS = 4  # plain steps "auto" times after them
+PROBE_STEPS = 6  # plain steps "auto" times after them
 MAX_INTERVAL = 1000
 
 Every = int | str
@@ -147,7 +147,7 @@ class AutoInterval:
 
     def _decide(self) -> None:
         cost = statistics.median(self.costs[-2:])  # both buffers mapped and touched
-        step = statistics.median(self.steps)
+        step = min(self.steps)  # the uncontended step: a busy host errs towards fewer snapshots
         ratio = cost / max(step * self.budget, 1e-9)
         self.interval = min(MAX_INTERVAL, max(1, math.ceil(ratio)))
         logger.info(
