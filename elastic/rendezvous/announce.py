@@ -1126,6 +1126,68 @@ class AnnounceRendezvousHandler(RendezvousHandler):
                 self._set_doc(json.dumps(doc).encode(), revision, revision)
 
 
+def announce_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
+    """The run's announce rendezvous in the shape of
+    :func:`elastic.tools.status.rendezvous_status` (which reads the single-key state only):
+    the round key and every member key in one read, and each member's lease for how long
+    ago it was renewed (its heartbeat). ``{"exists": False}`` when neither key exists."""
+    response = client.txn(
+        [],
+        [
+            op_get(keys.round),
+            _range_op(keys.members, range_end=etcd_client._prefix_end(keys.members)),
+        ],
+        [],
+    )
+    round_kvs = response.responses[0].response_range.kvs
+    member_kvs = response.responses[1].response_range.kvs
+    if not round_kvs and not member_kvs:
+        return {"exists": False}
+    doc = decode_round(round_kvs[0].value) if round_kvs else {}
+    ranks: dict[str, int] = doc.get("members", {})
+    round_ = int(doc.get("round", -1))
+    stale = doc.get("stale", {}) if isinstance(doc.get("stale"), dict) else {}
+    members = []
+    for kv in member_kvs:
+        member = decode_member(kv, keys.members)
+        if member is None:
+            continue
+        if member.name in ranks and member.after < round_:
+            state = f"rank {ranks[member.name]}"
+        elif stale.get(member.name) == member.mod_revision:
+            state = "stale"
+        else:
+            state = "joining"
+        members.append(
+            {
+                "node": member.name,
+                "addr": member.addr,
+                "pid": member.pid,
+                "state": state,
+                "last_heartbeat_s_ago": _renewed_s_ago(client, kv.lease),
+            }
+        )
+    return {
+        "exists": True,
+        "algorithm": "announce",
+        "round": round_,
+        "complete": bool(ranks),
+        "closed": bool(doc.get("closed")),
+        "world_size": len(ranks),
+        "waiting": int(doc.get("waiting", 0)),
+        "members": members,
+    }
+
+
+def _renewed_s_ago(client: EtcdClient, lease: int) -> float:
+    """Seconds since ``lease`` was last renewed (its granted TTL less the TTL left)."""
+    request = etcdrpc.LeaseTimeToLiveRequest(ID=lease)
+    answer = client.call(
+        lambda c, t: c.lease.LeaseTimeToLive(request, timeout=t, metadata=c.metadata)
+    )
+    return float(answer.grantedTTL - max(answer.TTL, 0))
+
+
 # The agent (agents/agent.py) looks for the etcd-v3 handler's class; this handler offers
 # the same seam (membership_change, request_reform, leave, record_failed_round).
 
@@ -1151,6 +1213,7 @@ __all__ = [
     "PROBE_EVERY_S",
     "AnnounceRendezvousHandler",
     "Member",
+    "announce_status",
     "build_announce_handler",
     "decode_member",
     "decode_round",

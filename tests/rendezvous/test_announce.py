@@ -17,7 +17,11 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elastic.etcd.server import EtcdServer
-from elastic.rendezvous.announce import AnnounceRendezvousHandler, build_announce_handler
+from elastic.rendezvous.announce import (
+    AnnounceRendezvousHandler,
+    announce_status,
+    build_announce_handler,
+)
 from elastic.rendezvous.handler import ChangeKind
 from elastic.rendezvous.options import RendezvousOptions
 from tests.helpers import wait_until
@@ -356,3 +360,21 @@ def test_a_member_left_behind_by_close_timeout_is_no_joiner_until_it_announces(
     thread.join(30)
     infos[slow.name] = joined["x"]
     assert_one_round(infos, handlers)
+
+
+def test_status_reports_the_round_and_each_members_rank_and_heartbeat(
+    nodes: Callable[..., Nodes],
+) -> None:
+    run = nodes("2:3")
+    handlers = run.add(2)
+    client, keys = handlers[0]._client, handlers[0]._keys
+    assert announce_status(client, keys) == {"exists": False}
+    infos = join_all(handlers)
+    status = announce_status(client, keys)
+    assert status["exists"] and status["complete"] and not status["closed"]
+    assert (status["round"], status["world_size"]) == (round_of(handlers[0]), 2)
+    by_node = {m["node"]: m for m in status["members"]}
+    assert {n: m["state"] for n, m in by_node.items()} == {
+        n: f"rank {i.rank}" for n, i in infos.items()
+    }
+    assert all(0 <= m["last_heartbeat_s_ago"] <= 3 for m in by_node.values())
