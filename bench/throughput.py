@@ -217,7 +217,8 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_block": steps,
         "state_mb": round(runs["every"].snapshot_stats["bytes"] / 1e6, 1),
         "snapshot_background": runs["every"]._snapshots.background,
-        "auto_interval": runs["auto"]._jit.interval,
+        "auto_interval_warm": steps if steps > args.steps else runs["auto"]._jit.interval,
+        "auto_interval_end": runs["auto"]._jit.interval,
         "step_ms": {m: round(1e3 * statistics.median(t), 2) for m, t in times.items()},
     }
     for mode in ("every", "auto"):

@@ -23,7 +23,8 @@ Torn states are guarded by an optimizer step pre- and post-hook:
 ``every="auto"`` (the default) measures the snapshot's cost (its synchronous part and
 its background copy) over the first :data:`PROBE_SNAPSHOTS` snapshots and the step
 time over the next :data:`PROBE_STEPS` steps, then snapshots every ``N`` steps so that
-the cost stays under :data:`AUTO_BUDGET` of the step time (every step when cheap).
+the cost stays under :data:`AUTO_BUDGET` of the step time (every step when cheap),
+and keeps measuring to follow a host that gets busier or quieter.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -51,6 +53,8 @@ AUTO = "auto"
 AUTO_BUDGET = 0.025  # the snapshot's share of the step time "auto" aims at (goal: <= 3 %)
 PROBE_SNAPSHOTS = 4  # snapshots "auto" times (the first two also grow the files)
 PROBE_STEPS = 6  # plain steps "auto" times after them
+COST_WINDOW = 4  # the snapshot costs "auto" keeps choosing from
+STEP_WINDOW = 32  # the plain step times "auto" keeps choosing from
 MAX_INTERVAL = 1000
 
 Every = int | str
@@ -120,12 +124,17 @@ class Boundary:
 
 
 class AutoInterval:
-    """Chooses the snapshot interval from measured costs (``every="auto"``)."""
+    """Chooses the snapshot interval from measured costs (``every="auto"``).
+
+    It keeps measuring after its first choice (the last :data:`COST_WINDOW` snapshot
+    costs, the last :data:`STEP_WINDOW` plain steps), so a host that gets busier or
+    quieter moves the interval; only the first choice is logged at INFO.
+    """
 
     def __init__(self, budget: float = AUTO_BUDGET) -> None:
         self.budget = budget
-        self.costs: list[float] = []
-        self.steps: list[float] = []
+        self.costs: deque[float] = deque(maxlen=COST_WINDOW)
+        self.steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self.interval: int | None = None
 
     def due(self, step: int) -> bool:
@@ -135,9 +144,7 @@ class AutoInterval:
         return len(self.costs) < PROBE_SNAPSHOTS
 
     def observe(self, step_s: float, cost_s: float | None) -> None:
-        """Record one step's time, or (``cost_s``) the cost of the snapshot it took."""
-        if self.interval is not None:
-            return
+        """Record one plain step's time, or (``cost_s``) the cost of the last snapshot."""
         if cost_s is not None:
             self.costs.append(cost_s)
         else:
@@ -146,17 +153,18 @@ class AutoInterval:
             self._decide()
 
     def _decide(self) -> None:
-        cost = statistics.median(self.costs[-2:])  # both buffers mapped and touched
+        cost = statistics.median(list(self.costs)[-3:])  # past the first files' growth
         step = min(self.steps)  # the uncontended step: a busy host errs towards fewer snapshots
-        ratio = cost / max(step * self.budget, 1e-9)
-        self.interval = min(MAX_INTERVAL, max(1, math.ceil(ratio)))
-        logger.info(
+        interval = min(MAX_INTERVAL, max(1, math.ceil(cost / max(step * self.budget, 1e-9))))
+        first, self.interval = self.interval is None, interval
+        logger.log(
+            logging.INFO if first else logging.DEBUG,
             "Snapshot interval: every %d steps (a snapshot costs %.1f ms, a step %.1f ms: "
             "%.1f %% of each step on average, budget %.1f %%).",
-            self.interval,
+            interval,
             1e3 * cost,
             1e3 * step,
-            100 * cost / max(step, 1e-9) / self.interval,
+            100 * cost / max(step, 1e-9) / interval,
             100 * self.budget,
         )
 
@@ -260,7 +268,7 @@ class StepSnapshots:
 
     def _observe(self, step_s: float) -> None:
         """Feed "auto" the last step's time, or the cost of the snapshot it took."""
-        if self.auto is None or self.auto.interval is not None:
+        if self.auto is None:
             return
         cost: float | None = None
         timed, self._timed = self._timed, True
