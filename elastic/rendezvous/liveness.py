@@ -32,7 +32,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 logger = logging.getLogger(__name__)
 
@@ -145,20 +145,28 @@ class DeathDetector:
             if (name, self._known.get(name)) not in self._verified:
                 self._ask(name, host)
 
-    def dead(self, nodes: list[tuple[str, str]]) -> list[str]:
-        """Of ``(name, host)`` pairs, the names whose probe port refused a connection."""
-        return [name for name, answer in self._answers(nodes).items() if answer is False]
+    def dead(self, nodes: list[tuple[str, str]], recheck: Collection[str] = ()) -> list[str]:
+        """Of ``(name, host)`` pairs, the names whose probe port refused a connection.
+
+        A node named in ``recheck`` is probed again even if it accepted a moment ago: a
+        killed agent's port can still accept for some milliseconds (the kernel closes
+        its sockets last), just when a waiting peer probes it first.
+        """
+        answers = self._answers(nodes, recheck)
+        return [name for name, answer in answers.items() if answer is False]
 
     def alive(self, nodes: list[tuple[str, str]]) -> list[str]:
         """Of ``(name, host)`` pairs, the names whose probe port accepted a connection."""
         return [name for name, answer in self._answers(nodes).items() if answer is True]
 
-    def _answers(self, nodes: list[tuple[str, str]]) -> dict[str, bool | None]:
+    def _answers(
+        self, nodes: list[tuple[str, str]], recheck: Collection[str] = ()
+    ) -> dict[str, bool | None]:
         now = time.monotonic()
         out: dict[str, bool | None] = {}
         todo = []
         for name, host in nodes:
-            if self._alive_until.get(name, 0.0) > now:
+            if name not in recheck and self._alive_until.get(name, 0.0) > now:
                 out[name] = True  # answered a moment ago
             elif self._unknown_until.get(name, 0.0) > now:
                 out[name] = None  # did not answer a moment ago: do not block on it again

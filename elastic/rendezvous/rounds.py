@@ -52,13 +52,23 @@ logger = logging.getLogger(__name__)
 MEMBERS_ATTR = "elastic_members"  # on the state: (round, members of that completed round)
 
 
+def _members(state: _RendezvousState, round_: int) -> frozenset[_NodeDesc] | None:
+    record = getattr(state, MEMBERS_ATTR, None)
+    if not isinstance(record, tuple) or len(record) != 2 or record[0] != round_:
+        return None
+    return frozenset(record[1])
+
+
 def previous_members(state: _RendezvousState) -> frozenset[_NodeDesc] | None:
     """The live members of the round before ``state.round``; None if not on record."""
-    record = getattr(state, MEMBERS_ATTR, None)
-    if not isinstance(record, tuple) or len(record) != 2:
-        return None
-    round_, members = record
-    return frozenset(members) if round_ == state.round - 1 else None
+    return _members(state, state.round - 1)
+
+
+def completed_members(state: _RendezvousState) -> frozenset[_NodeDesc]:
+    """The live members of ``state.round`` once it completed (empty if not on record)."""
+    if not state.complete:
+        return frozenset()
+    return _members(state, state.round) or frozenset()
 
 
 def record_members(state: _RendezvousState) -> None:
@@ -242,6 +252,7 @@ __all__ = [
     "LeaveOp",
     "ProbingStateHolder",
     "WaitListExecutor",
+    "completed_members",
     "forget_members",
     "may_close_early",
     "previous_members",

@@ -38,6 +38,7 @@ from elastic.rendezvous.rounds import (
     LeaveOp,
     ProbingStateHolder,
     WaitListExecutor,
+    completed_members,
     may_close_early,
     previous_members,
     record_members,
@@ -295,12 +296,25 @@ def test_after_a_leave_the_rest_close_without_the_last_call(
 
 def test_a_join_still_gets_the_last_call(etcd: EtcdServer, run_id: str) -> None:
     last_call_s = 2.0
-    nodes = [handler(etcd, run_id, last_call_s, max_nodes=4) for _ in range(3)]
+    a, b, c = (handler(etcd, run_id, last_call_s, max_nodes=4) for _ in range(3))
     try:
-        form(nodes[:2])
-        seconds = form(nodes)  # the third one joins; the first two re-form with it
+        form([a, b])
+        joiner = threading.Thread(target=c.next_rendezvous, daemon=True)
+        joiner.start()  # as in a run: the group re-forms because a node waits
+        wait_until(a.membership_change, 30, "the joiner on the wait list")
+        seconds = form([a, b])
+        joiner.join(30)
     finally:
-        for h in nodes:
+        for h in (a, b, c):
             h.shutdown()
     assert seconds >= last_call_s, f"closed in {seconds:.1f} s: a newcomer must get the last call"
-    assert len(nodes[0]._state_holder.state.participants) == 3
+    assert len(a._state_holder.state.participants) == 3
+
+
+def test_only_a_member_that_left_its_completed_round_waits_on_the_rest() -> None:
+    state = reforming({A, B, C}, set())
+    state.round, state.complete = 2, True
+    state.participants = {B: 1, C: 2}  # A left round 2 to re-form it
+    assert completed_members(state) - set(state.participants) == {A}
+    state.complete = False
+    assert completed_members(state) == frozenset(), "an open round has no members yet"

@@ -112,3 +112,16 @@ def test_the_listener_survives_a_failed_accept(
         assert listener._thread.is_alive(), "the listener must keep serving"
     finally:
         listener.close()
+
+
+def test_a_recheck_probes_again_a_node_that_accepted_a_moment_ago() -> None:
+    # A killed agent's port may still accept for a few milliseconds; the node that waits
+    # on it asks again (recheck) instead of trusting that answer for half a second.
+    listener = ProbeListener()
+    detector = DeathDetector(lambda: {"n": listener.port})
+    node = [("n", "127.0.0.1")]
+    detector.verify(node)
+    assert detector.alive(node) == ["n"]
+    listener.close()
+    assert detector.dead(node) == [], "without a recheck, the answer of a moment ago stands"
+    assert detector.dead(node, recheck={"n"}) == ["n"]
