@@ -13,8 +13,9 @@ round costs O(N) writes per node. Here:
   whose agent is gone loses its key when the lease expires.
 * **Close.** The node with the oldest member key (lowest ``create_revision``) is the
   closer. It reads the members once, then follows them with one prefix watch. Once
-  ``min_nodes`` are ready and the last call has passed (or ``max_nodes`` are ready), it
-  publishes ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, the master
+  ``min_nodes`` are ready and the last call has passed (or ``max_nodes`` are ready, or
+  the round only re-forms the previous one and all its live members are back: the early
+  close, as :mod:`elastic.rendezvous.rounds` does for single-key), it publishes ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, the master
   address) in one transaction, fenced by the round key's ``mod_revision``, by its own
   member key (a closer whose lease expired cannot publish) and by the commit fence:
   the same transaction advances the fence (:mod:`elastic.rendezvous.fence`), so a
@@ -29,13 +30,20 @@ round costs O(N) writes per node. Here:
   :meth:`AnnounceRendezvousHandler.membership_change` is a pure, local query.
 * **Deaths.** Each node probes its predecessor (the closer: the newest member and, while
   a round waits for them, up to 8 of the members not yet ready) every 1-2 s (a quarter
-  of the lease TTL) through
-  :mod:`elastic.rendezvous.liveness`; a refused probe on a verified port deletes the
-  dead node's key at once. A slow but alive node keeps its key as long as its
+  of the lease TTL), and at once when a round is published or its predecessor changes,
+  through :mod:`elastic.rendezvous.liveness`; a refused probe on a port that accepted
+  before deletes the dead node's key at once. (Probing only on the tick let a node killed
+  within a tick of its round stay unverified, so its key lived until its lease expired.)
+  The lease's keep-alive runs in a thread of its own, so a slow etcd request delays
+  neither the probes nor the renewal. A slow but alive node keeps its key as long as its
   keep-alive thread gets a turn once per ``keep_alive_interval * keep_alive_max_attempt``
   (the lease TTL), and it answers probes, so nobody reaps it.
 * **Wait list.** A node that arrives after a round closed is not in it; it is counted in
   ``waiting`` (the running group sees JOINERS) and taken into the next round.
+* **Stale members.** A member left out of a round by ``close_timeout`` while it still ran
+  the previous one (hung, or dead without a verified probe port) is listed in the round
+  key's ``stale`` (name -> its key's ``mod_revision``); it is no joiner until it
+  announces again, so a new round is not re-formed at once to take in a dead node.
 * **Outages.** Requests ride out an unreachable etcd as :class:`EtcdClient` does; a node
   whose lease expired meanwhile finds itself DROPPED and rejoins with a fresh lease.
 
