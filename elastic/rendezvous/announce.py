@@ -15,7 +15,8 @@ round costs O(N) writes per node. Here:
   closer. It reads the members once, then follows them with one prefix watch. Once
   ``min_nodes`` are ready and the last call has passed (or ``max_nodes`` are ready, or
   the round only re-forms the previous one and all its live members are back: the early
-  close, as :mod:`elastic.rendezvous.rounds` does for single-key), it publishes ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, the master
+  close, as :mod:`elastic.rendezvous.rounds` does for single-key), it publishes
+  ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, the master
   address) in one transaction, fenced by the round key's ``mod_revision``, by its own
   member key (a closer whose lease expired cannot publish) and by the commit fence:
   the same transaction advances the fence (:mod:`elastic.rendezvous.fence`), so a
