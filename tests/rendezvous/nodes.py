@@ -85,8 +85,7 @@ def per_algorithm(cluster: Cluster, request: pytest.FixtureRequest) -> Cluster:
         and algorithm != SINGLE_KEY
     ):
         pytest.skip("c10d has no rendezvous algorithm option")
-    if algorithm == SINGLE_KEY:
-        return cluster
+    # Both spelled out: the tests must not depend on which algorithm is the default.
     start = cluster.start
 
     def start_with(*args: Any, conf: str | None = None, **kwargs: Any) -> Node:
