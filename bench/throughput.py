@@ -201,7 +201,8 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
     for mode, warm in (("off", 3), ("every", 3), ("auto", 20)):  # "auto" decides in warm-up
         _snapshot_block(runs[mode], loops[mode], model, opt, batch, warm)
     marks = {m: (dict(r.snapshot_stats), r.step) for m, r in runs.items()}
-    steps = max(args.steps, runs["auto"]._jit.interval or 1)  # an "auto" block: >= 1 snapshot
+    warm_interval = runs["auto"]._jit.interval
+    steps = min(max(args.steps, warm_interval or 1), args.max_block)  # "auto": ~1 snapshot
     times: dict[str, list[float]] = {m: [] for m in MODES}
     names = list(MODES)
     for pair in range(args.pairs):
@@ -217,7 +218,7 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_block": steps,
         "state_mb": round(runs["every"].snapshot_stats["bytes"] / 1e6, 1),
         "snapshot_background": runs["every"]._snapshots.background,
-        "auto_interval_warm": steps if steps > args.steps else runs["auto"]._jit.interval,
+        "auto_interval_warm": warm_interval,
         "auto_interval_end": runs["auto"]._jit.interval,
         "step_ms": {m: round(1e3 * statistics.median(t), 2) for m, t in times.items()},
     }
@@ -227,6 +228,7 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
         stats = {k: runs[mode].snapshot_stats[k] - before[k] for k in before}
         result[mode] = {
             **_quantiles(ratios),
+            "overhead_pct_total": round(100 * (sum(times[mode]) / sum(times["off"]) - 1), 2),
             "snapshots": int(stats["count"]),
             **_per_step(stats, runs[mode].step - step0),
         }
@@ -267,6 +269,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--max-block", type=int, default=24, help="--snapshot: steps a block")
     parser.add_argument("--skip-peer", action="store_true", help="--snapshot: no peer transfer")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
