@@ -116,14 +116,17 @@ def load_state(payload: bytes) -> Any:
 def rendezvous_status(
     client: EtcdClient, keys: RunKeys, secret: bytes | None = None
 ) -> dict[str, Any]:
-    """Decode the run's rendezvous state into plain data (empty when there is none).
+    """Decode the run's rendezvous state into plain data (``{"exists": False}`` when there is
+    none), under either algorithm (single-key or announce).
 
     The state is authenticated with ``secret`` when one is given (as the agents do), and
     unpickled only through an allow-list of torch's state classes either way.
     """
     kvs = client.range(keys.state).kvs
-    if not kvs:
-        return {"exists": False}
+    if not kvs:  # no single-key state: the run may use the announce algorithm
+        from elastic.rendezvous.announce import announce_status
+
+        return announce_status(client, keys)
     try:
         state = load_state(decode_state(kvs[0].value, keys.state, secret))
     except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError) as exc:

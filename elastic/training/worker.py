@@ -218,8 +218,15 @@ class Worker:
     def _advance(self) -> int:
         """Move the step and cursor on as :meth:`run` does after a step (for a snapshot
         taken when a step failed after its optimizer step)."""
-        self.cursor = self.sampler.global_batch(self.cursor)[1]
+        indices, self.cursor = self.sampler.global_batch(self.cursor)
         self.step += 1
+        if self.cfg.job.sample_ledger:
+            # This rank's optimizer stepped, so its gradient all-reduce had every rank's
+            # samples: the ledger records them all (the peers that died never will).
+            world = self.ctx.world_size
+            for rank in range(world):
+                mine = self.sampler.for_rank(indices, rank, world)
+                self._ledger(self.cursor.epoch, rank, [int(i) for mb in mine for i in mb])
         return self.step
 
     def memory_state(self) -> dict[str, Any]:
@@ -397,17 +404,20 @@ class Worker:
                 last_saved = self.step
         return last_saved
 
+    def _ledger(self, epoch: int, rank: int, indices: list[int]) -> None:
+        events.emit(
+            "train.samples",
+            step=self.step,
+            rank=rank,
+            world_size=self.ctx.world_size,
+            epoch=epoch,
+            indices=indices,
+        )
+
     def _report(self, result: StepResult, seconds: float, progress: _Progress) -> None:
         samples_per_s = self.sampler.global_batch_size / max(seconds, 1e-9)
         if self.cfg.job.sample_ledger:
-            events.emit(
-                "train.samples",
-                step=self.step,
-                rank=self.ctx.rank,
-                world_size=self.ctx.world_size,
-                epoch=result.cursor.epoch,
-                indices=self.trainer.last_indices,
-            )
+            self._ledger(result.cursor.epoch, self.ctx.rank, self.trainer.last_indices)
         if self.ctx.rank != 0:
             return
         lr = self.optimizer.param_groups[0]["lr"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import textwrap
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import EtcdServer
+from elastic.tools.cluster import fast_conf
 from tests.agent.jobs import Job
 from tests.helpers import FAST_CONF, PYTHON, REPO, node_env, wait_until
 
@@ -86,7 +88,10 @@ def test_a_users_own_ddp_script_runs_unchanged(
 
 
 @pytest.mark.slow
-def test_status_reports_members_round_and_checkpoint(job: Job) -> None:
+@pytest.mark.parametrize("algorithm", ["single-key", "announce"])
+def test_status_reports_members_round_and_checkpoint(job: Job, algorithm: str) -> None:
+    conf = f"{fast_conf(job.options.join_timeout)},algorithm={algorithm}"
+    job.options = dataclasses.replace(job.options, rdzv_conf=conf)
     nodes = [job.start(n) for n in "ab"]
     wait_until(lambda: any(e["step"] >= 6 for e in job.steps()), 120, "step 6")
     result = run(
