@@ -444,6 +444,14 @@ class AnnounceRendezvousHandler(RendezvousHandler):
                 return
             kvs = response.responses[0].response_range.kvs
 
+    def round_view(self) -> tuple[int, int, int]:
+        """(round, participants, waiting) as this node last saw them; no etcd request (for
+        the metrics exporter, read without the lock: a reference read is atomic)."""
+        doc, members = self._doc, self._members
+        ranks = doc.get("members", {})
+        waiting = sum(1 for name in list(members) if name not in ranks)
+        return int(doc.get("round", -1)), len(ranks), waiting
+
     def num_nodes_waiting(self) -> int:
         """torch's contract for any agent: > 0 when the group must re-form."""
         change = self.membership_change()
