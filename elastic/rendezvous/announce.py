@@ -14,8 +14,9 @@ round costs O(N) writes per node. Here:
 * **Close.** The node with the oldest member key (lowest ``create_revision``) is the
   closer. It reads the members once, then follows them with one prefix watch. Once
   ``min_nodes`` are ready and the last call has passed (or ``max_nodes`` are ready, or
-  the round only re-forms the previous one and all its live members are back: the early
-  close, as :mod:`elastic.rendezvous.rounds` does for single-key), it publishes
+  the round only re-forms the previous one and all its live members, and the newcomers
+  it named in ``joining``, are back: the early close, as :mod:`elastic.rendezvous.rounds`
+  does for single-key), it publishes
   ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, the master
   address) in one transaction, fenced by the round key's ``mod_revision``, by its own
   member key (a closer whose lease expired cannot publish) and by the commit fence:
@@ -39,8 +40,16 @@ round costs O(N) writes per node. Here:
   neither the probes nor the renewal. A slow but alive node keeps its key as long as its
   keep-alive thread gets a turn once per ``keep_alive_interval * keep_alive_max_attempt``
   (the lease TTL), and it answers probes, so nobody reaps it.
-* **Wait list.** A node that arrives after a round closed is not in it; it is counted in
-  ``waiting`` (the running group sees JOINERS) and taken into the next round.
+* **Joins.** A node that arrives after a round closed is not in it. The round trains on
+  through the newcomer's last call: the closer counts it in ``waiting`` (the running group
+  sees JOINERS and stops) only once ``last_call_timeout`` has passed since the first
+  newcomer not yet published arrived (newcomers arriving meanwhile share that call; the
+  newcomer's agent and workers get ready meanwhile, so even one that fills the round to
+  ``max_nodes`` is held), or at once if the round must re-form anyway (a member lost or
+  asking for one). The round key then names them in ``joining``, and
+  the next round closes as soon as every live member and every named newcomer has
+  announced: no second last call. A node that arrives after that publication is left
+  for the following round (the wait list), and gets its last call while that one trains.
 * **Stale members.** A member left out of a round by ``close_timeout`` while it still ran
   the previous one (hung, or dead without a verified probe port) is listed in the round
   key's ``stale`` (name -> its key's ``mod_revision``); it is no joiner until it
@@ -332,6 +341,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._high: int | None = None  # the fence's high mark (None: absent)
         self._last_change = time.monotonic()
         self._first_ready: float | None = None
+        self._held_since: float | None = None  # the first newcomer not yet in `waiting`
         self._probe_turn = 0
         # The agent's view.
         self._joined_round: int | None = None
@@ -912,16 +922,26 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         stale = self._doc.get("stale", {})
         return isinstance(stale, dict) and stale.get(member.name) == member.mod_revision
 
-    def _back_together(self, ready: list[Member], running: list[Member]) -> bool:
-        """The early close: the open round only re-forms the newest one, and every member
-        of it still alive (its key neither reaped as dead, nor revoked by a leave, nor
-        expired) has announced again, and nobody else waits. No one else is coming, so
-        the round needs no last call; a new node still gets one (so that several nodes
-        arriving together land in one round), and so does a run's first round."""
+    def _early(self, ready: list[Member], running: list[Member]) -> list[Member] | None:
+        """The early close: the open round only re-forms the newest one (with the newcomers
+        its ``joining`` named), and every one of them still alive (its key neither reaped
+        as dead, nor revoked by a leave, nor expired) has announced again. No one else is
+        coming, so the round needs no second last call: the named newcomers had theirs
+        while the round ran. Its participants, or None (a run's first round, or someone
+        missing). A newcomer not named waits for the next round (the wait list), where it
+        gets its last call while that round trains."""
         previous = self._doc.get("members")
         if not previous or running or not ready:
-            return False
-        return {m.name for m in ready} == set(previous) & set(self._members)
+            return None
+        expected = (set(previous) | set(self._joining())) & set(self._members)
+        chosen = [m for m in ready if m.name in expected]
+        if len(chosen) != len(expected) or len(chosen) < self._min_nodes:
+            return None
+        return chosen
+
+    def _joining(self) -> list[str]:
+        joining = self._doc.get("joining", [])
+        return [str(name) for name in joining] if isinstance(joining, list) else []
 
     def _unready_members(self) -> list[Member]:
         """Members still running the old round while others wait for a new one."""
@@ -933,42 +953,83 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         ready, running = self._ready()
         doc = self._doc
         lost = sorted(set(doc.get("members", {})) - set(self._members))
-        # A full round that nobody asked to leave goes on; newcomers wait for room.
-        candidates = ready if not running or self._waiting(ready, lost) else []
+        held = self._hold(ready, now)
+        # A full round that nobody asked to leave goes on; newcomers wait for room, and
+        # train on through their last call (the hold) before the running round hears.
+        candidates = ready if not running or self._waiting(ready, lost, now) else []
         if not doc.get("closed") and len(candidates) >= self._min_nodes:
             if self._first_ready is None:
                 self._first_ready = now
-            if len(ready) >= self._max_nodes or self._back_together(ready, running):
+            if len(ready) >= self._max_nodes or self._early(ready, running) is not None:
                 return "publish", 0.0
             quiet = self._last_change + self._last_call - now
             patience = self._first_ready + self._close_timeout - now
             if quiet <= 0 and (not running or patience <= 0):
                 return "publish", 0.0
             left = quiet if quiet > 0 else patience
-            if self._news(ready, running, lost):
+            if self._news(ready, running, lost, now):
                 return "update", left
             return "wait", left
         if not candidates:
             self._first_ready = None
-        if self._news(ready, running, lost):
-            return "update", _IDLE_WATCH_S
-        return "wait", _IDLE_WATCH_S
+        # Wake when the newcomers' last call ends (the running round must hear of them).
+        wait_s = held if running and held is not None and held > 0 else _IDLE_WATCH_S
+        if self._news(ready, running, lost, now):
+            return "update", wait_s
+        return "wait", wait_s
 
-    def _news(self, ready: list[Member], running: list[Member], lost: list[str]) -> bool:
+    def _news(
+        self, ready: list[Member], running: list[Member], lost: list[str], now: float
+    ) -> bool:
         """Whether the running round must hear of waiting nodes or lost members (only a
         change of "anyone waiting?" counts, so a burst of joiners is one write)."""
         doc = self._doc
         if lost != doc.get("lost", []):
             return True
-        return bool(running) and bool(doc.get("waiting")) != bool(self._waiting(ready, lost))
+        waiting = self._waiting(ready, lost, now)
+        return bool(running) and bool(doc.get("waiting")) != bool(waiting)
 
-    def _waiting(self, ready: list[Member], lost: list[str]) -> int:
-        """Ready nodes a new round could take: members that asked for one, and newcomers
-        while the round has room (at ``max_nodes`` they wait, as torch's redundancy list)."""
+    def _newcomers(self, ready: list[Member]) -> list[Member]:
+        """Ready nodes outside the newest round that its ``joining`` does not name yet."""
+        current, named = self._doc.get("members", {}), set(self._joining())
+        return [m for m in ready if m.name not in current and m.name not in named]
+
+    def _hold(self, ready: list[Member], now: float) -> float | None:
+        """Seconds left of the newcomers' last call (it runs from the first newcomer not
+        yet published; later ones share it); None with no newcomer."""
+        if not self._newcomers(ready):
+            self._held_since = None
+            return None
+        if self._held_since is None:
+            self._held_since = now
+        return self._held_since + self._last_call - now
+
+    def _released(self, ready: list[Member], lost: list[str], now: float) -> list[Member]:
+        """The newcomers the running round hears of now: none while their last call runs
+        and the round is healthy (training goes on, and the newcomer gets ready: its
+        agent's fork server imports torch), all of them once it passed, and at once when
+        the round must re-form anyway (a member lost or asking for a new round). One that
+        would fill the round to ``max_nodes`` is held too: the bench's join (1:3, the
+        third node) paused 1.38 s median with it released at once, 0.6-0.8 s held."""
+        newcomers = self._newcomers(ready)
+        if not newcomers:
+            return []
         current = self._doc.get("members", {})
+        if len(current) >= self._max_nodes and not lost:
+            return []  # a full round goes on: they wait, as torch's redundancy list
+        asked = any(m.name in current for m in ready)
+        since = self._held_since if self._held_since is not None else now
+        if lost or asked or now - since >= self._last_call:
+            return newcomers
+        return []
+
+    def _waiting(self, ready: list[Member], lost: list[str], now: float) -> int:
+        """Ready nodes a new round could take: members that asked for one, the newcomers
+        ``joining`` names, and those released now (:meth:`_released`)."""
+        current, named = self._doc.get("members", {}), set(self._joining())
         asked = sum(1 for m in ready if m.name in current)
-        room = len(current) < self._max_nodes or bool(lost)
-        return asked + (len(ready) - asked if room else 0)
+        joining = sum(1 for m in ready if m.name in named)
+        return asked + joining + len(self._released(ready, lost, now))
 
     def _close_step(self) -> None:
         if not self._members_seen:
@@ -1051,6 +1112,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             "master_port": ordered[0].port,
             "closer": self._name,
             "waiting": 0,
+            "joining": [],
             "lost": [],
             "stale": stale,
         }
@@ -1100,7 +1162,9 @@ class AnnounceRendezvousHandler(RendezvousHandler):
     def _publish(self) -> None:
         with self._cond:
             ready, running = self._ready()
-            chosen = sorted(ready, key=lambda m: m.create_revision)[: self._max_nodes]
+            early = self._early(ready, running)
+            pool = early if early is not None and len(ready) < self._max_nodes else ready
+            chosen = sorted(pool, key=lambda m: m.create_revision)[: self._max_nodes]
             round_ = int(self._doc.get("round", -1)) + 1
             if self._high is not None:
                 round_ = max(round_, self._high + 1)
@@ -1133,9 +1197,12 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         """Tell the running round how many nodes wait and which members were lost."""
         with self._cond:
             ready, _ = self._ready()
+            now = time.monotonic()
             doc = dict(self._doc)
             doc["lost"] = sorted(set(doc.get("members", {})) - set(self._members))
-            doc["waiting"] = self._waiting(ready, doc["lost"])
+            released = [m.name for m in self._released(ready, doc["lost"], now)]
+            doc["waiting"] = self._waiting(ready, doc["lost"], now)
+            doc["joining"] = sorted({*self._joining(), *released})
         response = self._fenced_put(doc, None)
         if response.succeeded:
             with self._cond:
