@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started (``time.time()`` scale, about 10 ms resolution); None if
+    it is gone or this is not Linux. Tells a pid that was reused from the process it was."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to ``pid``; a process that is already gone is fine."""
     with contextlib.suppress(ProcessLookupError):
@@ -107,4 +119,5 @@ __all__ = [
     "kill",
     "name",
     "set_name",
+    "started_at",
 ]

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from elastic import env, events
 from elastic.errors import ElasticError
 from elastic.etcd.server import EtcdServer, free_port, start_etcd
-from elastic.procs import WORKER_NAME, alive, descendants, kill
+from elastic.procs import WORKER_NAME, alive, descendants, kill, started_at
 from elastic.procs import name as proc_name
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class LocalCluster:
             node.kill(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.wait(10)
-        orphans = sorted(pid for pid in self.worker_pids() if alive(pid))
+        orphans = sorted(pid for pid in self.worker_pids() if self._still_ours(pid))
         for pid in [*orphans, *below]:
             kill(pid, signal.SIGKILL)
         if self.etcd is not None:
@@ -355,6 +355,16 @@ class LocalCluster:
         """Every pid that wrote to the event log, the agents' own excepted."""
         agents = {node.pid for node in self.nodes.values()}
         return {e["pid"] for e in self.events() if "pid" in e} - agents
+
+    def _still_ours(self, pid: int) -> bool:
+        """Whether ``pid`` still runs the process that wrote events under it: a process
+        started after that writer's first event got the pid by reuse (pids wrap around on a
+        busy machine) and is someone else's."""
+        if not alive(pid):
+            return False
+        first = min(e["ts"] for e in self.events() if e.get("pid") == pid)
+        started = started_at(pid)
+        return started is None or started <= first + 0.05
 
     def logs(self, tail: int = 4000) -> str:
         return "\n".join(f"--- {n}\n{node.output()[-tail:]}" for n, node in self.nodes.items())
