@@ -21,10 +21,10 @@ request_timeout     seconds a request rides out an etcd outage; default 30
 store_timeout       seconds a blocking store read waits; default 300
 outage_timeout      seconds a running job rides out an unreachable etcd before the
                     agent gives up; default 600 (training goes on meanwhile)
-algorithm           ``single-key`` (default: torch's handler, all state in one
-                    key) or ``announce`` (one key per node on its own lease, a
-                    closer publishes each round; scales to 1,000 nodes, see
-                    :mod:`elastic.rendezvous.announce`)
+algorithm           ``announce`` (default: one key per node on its own lease, a
+                    closer publishes each round; O(1) requests per node, scales
+                    to 1,000 nodes, see :mod:`elastic.rendezvous.announce`) or
+                    ``single-key`` (torch's handler, all state in one key)
 ==================  ==========================================================
 
 and torch's standard ones: ``join_timeout`` (600), ``last_call_timeout`` (30),
@@ -97,7 +97,7 @@ class RendezvousOptions:
     heartbeat_timeout: float = 5.0
     keep_alive_interval: float = 5.0
     keep_alive_max_attempt: int = 3
-    algorithm: str = SINGLE_KEY
+    algorithm: str = ANNOUNCE
 
     def __repr__(self) -> str:  # never show the password
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "password"}

@@ -210,6 +210,7 @@ def handler(
     params = RendezvousParameters(
         "etcd-v3", etcd.endpoint, run_id, 1, max_nodes, local_addr="127.0.0.1",
         profile=FAST_FAILOVER, join_timeout="60", last_call_timeout=str(last_call_s),
+        algorithm="single-key",
     )  # fmt: skip
     made = create_rdzv_handler(params)
     assert isinstance(made, EtcdRendezvousHandler)
@@ -236,6 +237,7 @@ from elastic.rendezvous.registry import create_rdzv_handler
 params = RendezvousParameters(
     "etcd-v3", sys.argv[1], sys.argv[2], 1, 3, local_addr="127.0.0.1",
     profile=FAST_FAILOVER, join_timeout="60", last_call_timeout=sys.argv[3],
+    algorithm="single-key",
 )
 info = create_rdzv_handler(params).next_rendezvous()
 print("formed", info.world_size, flush=True)

@@ -22,6 +22,7 @@ def handler(etcd: EtcdServer, run_id: str, nodes: str = "2:3") -> EtcdRendezvous
     params = RendezvousParameters(
         "etcd-v3", etcd.endpoint, run_id, int(low), int(high or low),
         local_addr=f"node-{uuid.uuid4().hex[:6]}", profile=FAST_FAILOVER, join_timeout="60",
+        algorithm="single-key",
     )  # fmt: skip
     made = create_rdzv_handler(params)
     assert isinstance(made, EtcdRendezvousHandler)
