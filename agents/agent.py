@@ -81,6 +81,11 @@ class NodeAgent(LocalElasticAgent):
         worker_env[snapshot.OWNER_ENV] = str(os.getpid())  # whose node the snapshots are
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        # The node stays: the workers need not persist a checkpoint (see elastic.reform).
+        with reform.marking(os.getpid()):
+            self._stop_for_reform(worker_group)
+
+    def _stop_for_reform(self, worker_group: WorkerGroup) -> None:
         change, self._change = self._change, None
         if change is not None and change.kind in _PEER_GONE:
             # A peer vanished mid-run: our workers are (or soon will be) blocked in a

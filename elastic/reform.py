@@ -17,7 +17,47 @@ A *re-form* is a change of membership that is not a failure: it costs no restart
    its return value.
 4. **A lost peer.** Workers blocked in a collective with a vanished peer cannot hear a stop
    request: the agent gives them :data:`agents.agent.LOST_PEER_GRACE_S`, then kills them.
+5. **No checkpoint for a re-form.** Before an agent stops its workers to re-form (its node
+   stays), it leaves a marker (:func:`marking`) beside the node's snapshots; a worker stopped
+   while the marker exists writes its memory snapshot and skips the persisted save, unless a
+   peer's stop was a real one (its node leaving, the job ending): the group agrees on that
+   with the stop flag. A missing or unwritable marker means "persist", the safe side.
 """
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from elastic import env
+
+MARKER_DIR = "/dev/shm"  # beside the snapshots (elastic.recovery.snapshot.DEFAULT_DIR)
+
+
+def marker(owner: int, directory: str = MARKER_DIR) -> Path:
+    """The file that says: agent ``owner`` is stopping its workers to re-form."""
+    return Path(directory) / f"elastic-reform-{owner}"
+
+
+@contextlib.contextmanager
+def marking(owner: int, directory: str = MARKER_DIR) -> Iterator[None]:
+    """Hold the re-form marker of agent ``owner`` while its workers stop."""
+    path = marker(owner, directory)
+    with contextlib.suppress(OSError):
+        path.touch()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def stopping_for_reform(directory: str = MARKER_DIR) -> bool:
+    """Whether this worker's agent is stopping it to re-form (the node stays, and so do its
+    memory snapshots); False without an agent that owns the snapshots."""
+    owner = os.environ.get(env.SNAPSHOT_OWNER, "")
+    return owner.isdigit() and marker(int(owner), directory).exists()
+
 
 OK = 0
 FAILED = 1  # a runtime or checkpoint failure; also "etcd unreachable" for the CLIs
@@ -26,4 +66,4 @@ USAGE = 2  # bad input: a config file, a flag, an option value
 # elsewhere). Its agent re-forms the group instead of counting a failure (EX_TEMPFAIL).
 EXIT_CODE = 75
 
-__all__ = ["EXIT_CODE", "FAILED", "OK", "USAGE"]
+__all__ = ["EXIT_CODE", "FAILED", "OK", "USAGE", "marker", "marking", "stopping_for_reform"]

@@ -124,6 +124,8 @@ class Run:
         self._in_batches = False
         self._stop = False
         self._signalled = False
+        self._reform_only = False  # our agent stops us to re-form (elastic.reform)
+        self._persist_on_stop = True
         self._previous: dict[int, Any] = {}
         self._install_signals()
         self._last_saved = -1
@@ -348,7 +350,7 @@ class Run:
             self._checkpoints.save(self.step, self._persist_state())
             self._last_saved = self.step
         if stop:
-            self._complete()
+            self._complete(persist=self._persist_on_stop)
             self._teardown_groups()
             if self._signalled:
                 logger.info("Stopped at step %d on request; exiting.", self.step)
@@ -357,20 +359,30 @@ class Run:
             raise SystemExit(reform.EXIT_CODE)
 
     def _agree_stop(self) -> bool:
+        """Whether the group stops after this step; also agrees whether that stop needs a
+        persisted checkpoint (any rank's vote, see :meth:`_persist_vote`)."""
         if self._ctl is None:
+            self._persist_on_stop = self._persist_vote()
             return self._stop
-        flag = torch.tensor([1 if self._stop else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._ctl)
-        return bool(flag.item())
+        flags = torch.tensor([int(self._stop), int(self._persist_vote())], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl)
+        self._persist_on_stop = bool(flags[1].item())
+        return bool(flags[0].item())
 
-    def _complete(self) -> None:
-        """Finish: the snapshot in flight, a final persisted checkpoint, the signal handlers."""
+    def _persist_vote(self) -> bool:
+        """Yes unless our agent stops us to re-form and keeps our memory snapshot."""
+        survives = self._jit.enabled and self._store.owner != os.getpid()
+        return not survives or (self._stop and not self._reform_only)
+
+    def _complete(self, persist: bool = True) -> None:
+        """Finish: the snapshot in flight, a final persisted checkpoint (unless the group
+        only re-forms: ``persist`` False), the signal handlers."""
         if self._store.owner != os.getpid():  # a restart of this node may use it
             self._jit.failed("the loop stopped")
         self._jit.wait()
         self._jit.close()  # the loop is over: no failure-time snapshot from here on
         if self._checkpoints is not None:
-            if self._last_saved != self.step and self.step > 0:
+            if persist and self._last_saved != self.step and self.step > 0:
                 self._checkpoints.save(self.step, self._persist_state(), block=True)
                 self._last_saved = self.step
             self._checkpoints.close()
@@ -425,6 +437,7 @@ class Run:
             signal.Signals(signum).name,
         )
         self._stop = self._signalled = True
+        self._reform_only = reform.stopping_for_reform()
         signal.signal(signum, signal.SIG_DFL)
 
 

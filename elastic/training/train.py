@@ -78,6 +78,7 @@ class StepResult:
     loss: float
     cursor: Cursor
     stop: bool
+    persist: bool = True  # a stop that needs a persisted checkpoint (False: only re-forms)
 
 
 class Trainer:
@@ -105,8 +106,12 @@ class Trainer:
         self.bn = BatchNormStats(model)
         self.last_indices: list[int] = []
 
-    def step(self, cursor: Cursor, stop_requested: bool = False) -> StepResult:
-        """Run one optimizer step on the global batch at ``cursor``."""
+    def step(
+        self, cursor: Cursor, stop_requested: bool = False, persist: bool = True
+    ) -> StepResult:
+        """Run one optimizer step on the global batch at ``cursor``. ``persist`` is this
+        rank's vote that a stop needs a persisted checkpoint (False: a re-form whose memory
+        snapshots survive); the group persists if any rank votes for it."""
         indices, after = self.sampler.global_batch(cursor)
         mine = self.sampler.for_rank(indices, self.rank, self.world_size)
         self.last_indices = [int(i) for mb in mine for i in mb]
@@ -119,7 +124,7 @@ class Trainer:
         self.bn.end_step(self.sampler.micro_batches_per_step)
         self.optimizer.step()
         self.scheduler.step()
-        return self._agree(loss_sum, after, stop_requested)
+        return self._agree(loss_sum, after, stop_requested, persist)
 
     def _micro_step(self, micro: torch.Tensor, last: bool) -> torch.Tensor:
         images, labels = collate(self.dataset, micro)
@@ -133,15 +138,20 @@ class Trainer:
         self.bn.after_micro_batch()
         return loss.detach().double().cpu() * len(micro)
 
-    def _agree(self, loss_sum: torch.Tensor, cursor: Cursor, stop: bool) -> StepResult:
-        """All-reduce the loss and the stop flag so every rank sees the same values."""
-        packed = torch.stack([loss_sum, torch.tensor(float(stop), dtype=torch.float64)])
+    def _agree(
+        self, loss_sum: torch.Tensor, cursor: Cursor, stop: bool, persist: bool
+    ) -> StepResult:
+        """All-reduce the loss and the stop flags so every rank sees the same values."""
+        flags = torch.tensor([float(stop), float(persist)], dtype=torch.float64)
+        packed = torch.cat([loss_sum.reshape(1), flags])
         if dist.is_initialized() and self.world_size > 1:
             packed = packed.to(self.device)
             dist.all_reduce(packed)
             packed = packed.cpu()
         loss = float(packed[0]) / self.sampler.global_batch_size
-        return StepResult(loss=loss, cursor=cursor, stop=bool(packed[1] > 0))
+        return StepResult(
+            loss=loss, cursor=cursor, stop=bool(packed[1] > 0), persist=bool(packed[2] > 0)
+        )
 
 
 __all__ = ["StepResult", "Trainer", "build_optimizer", "build_scheduler", "lr_lambda"]

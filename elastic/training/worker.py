@@ -75,6 +75,7 @@ class _StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self.persist = True  # False: our agent stops us to re-form (elastic.reform)
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopFlag:
@@ -93,6 +94,7 @@ class _StopFlag:
             signal.Signals(signum).name,
         )
         self.requested = True
+        self.persist = not reform.stopping_for_reform()
         _stop_signals.append(signum)
         signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
 
@@ -190,6 +192,7 @@ class Worker:
         self.cursor = Cursor()
         self.round = int(getattr(commit_fence, "round", 0) or 0)
         self.snapshots = self._snapshots()
+        self._persist_stop = True  # the group's vote at the last step (see _persist_vote)
         self.resumed_from = "fresh"
 
     def _snapshots(self) -> StepSnapshots | None:
@@ -369,7 +372,7 @@ class Worker:
         snapshots = self.snapshots
         if snapshots is not None and snapshots.store.owner != os.getpid():
             snapshots.failed("the loop stopped")  # the newest state, for this node's restart
-        if last_saved != self.step:
+        if last_saved != self.step and (self.step >= end or self._persist_stop):
             self.save(block=True)
         self.checkpoints.close()
         if self.snapshots is not None:
@@ -380,6 +383,12 @@ class Worker:
             return reform.EXIT_CODE
         return reform.OK
 
+    def _persist_vote(self, stop: _StopFlag) -> bool:
+        """Whether a stop now needs a persisted checkpoint, as far as this rank knows: yes
+        unless its agent stops it to re-form and keeps its memory snapshot."""
+        survives = self.snapshots is not None and self.snapshots.store.owner != os.getpid()
+        return not survives or (stop.requested and stop.persist)
+
     def _loop(
         self, stop: _StopFlag, end: int, progress: _Progress, last_saved: int | None
     ) -> int | None:
@@ -388,7 +397,8 @@ class Worker:
             self.snapshots.restart_clock()
         while self.step < end:
             started = time.perf_counter()
-            result = self.trainer.step(self.cursor, stop.requested)
+            result = self.trainer.step(self.cursor, stop.requested, self._persist_vote(stop))
+            self._persist_stop = result.persist
             self.step += 1
             self.cursor = result.cursor
             if self.snapshots is not None:
