@@ -3,6 +3,9 @@
 Default (multi-process): ``single-key``, ``announce`` and ``c10d`` at each N, the nodes spread
 over ``--procs`` worker processes; see bench/README-rendezvous.md. ``--single-process`` runs
 the earlier bench described below (single-key vs c10d, every node a thread of this process).
+``--join K``: a running announce round of N members (``--nodes``) that K nodes join at once;
+rounds taken, time to JOINERS and to the new round, and the worst member's and joiner's etcd
+requests (see bench/README-rendezvous.md, "Joins at scale").
 
 Method. For each node count N (``--nodes``, default 8,32,128) and each repeat,
 both backends run one fresh rendezvous (a new run id) with the same settings:
@@ -146,11 +149,11 @@ class DelayCounter:
 
     @contextmanager
     def installed(self) -> Iterator[DelayCounter]:
-        dyn._delay = self._delay  # type: ignore[assignment]
+        dyn._delay = self._delay
         try:
             yield self
         finally:
-            dyn._delay = self._original  # type: ignore[assignment]
+            dyn._delay = self._original
 
 
 # -- nodes -------------------------------------------------------------------
@@ -227,14 +230,16 @@ def instrument(node: Node, clock: RoundClock) -> None:
     backend.set_state = timed_set  # type: ignore[method-assign]
 
 
-def params_for(backend: str, endpoint: str, run_id: str, n: int, **extra: Any) -> Any:
-    """The same rendezvous settings for both backends."""
+def params_for(
+    backend: str, endpoint: str, run_id: str, n: int, max_n: int | None = None, **extra: Any
+) -> Any:
+    """The same rendezvous settings for both backends (``max_nodes`` is N unless given)."""
     return RendezvousParameters(
         backend=backend,
         endpoint=endpoint,
         run_id=run_id,
         min_nodes=n,
-        max_nodes=n,
+        max_nodes=max_n or n,
         local_addr="127.0.0.1",
         **RDZV_CONF,
         **extra,
@@ -288,7 +293,7 @@ def c10d_node(port: int, run_id: str, n: int) -> Node:
         stats.c10d_store_calls += 1
         return call_store(op, *args, **kwargs)
 
-    backend._call_store = counted  # type: ignore[method-assign]
+    backend._call_store = counted  # type: ignore[method-assign,assignment]
     return Node(
         handler=dyn.create_handler(store, backend, params),
         backend=backend,
@@ -456,7 +461,9 @@ def measure_etcd(
 ALGOS = ("single-key", "announce", "c10d")
 
 
-def announce_node(endpoint: str, run_id: str, n: int) -> tuple[Any, Callable[[], int]]:
+def announce_node(
+    endpoint: str, run_id: str, n: int, max_n: int | None = None
+) -> tuple[Any, Callable[[], int]]:
     """An ``announce`` handler with its own client; its requests exclude keep-alives."""
     from elastic.rendezvous.announce import build_announce_handler
 
@@ -465,6 +472,7 @@ def announce_node(endpoint: str, run_id: str, n: int) -> tuple[Any, Callable[[],
         endpoint,
         run_id,
         n,
+        max_n,
         store_timeout=RDZV_CONF["join_timeout"],
         algorithm="announce",
     )
@@ -483,7 +491,7 @@ class WorkerNodes:
         self.closers: list[Callable[[], None]] = []
         for _ in range(count):
             if algo == "announce":
-                handler, requests = announce_node(cmd["endpoint"], run_id, n)
+                handler, requests = announce_node(cmd["endpoint"], run_id, n, cmd.get("max_n"))
                 self.closers.append(handler.close)
             elif algo == "single-key":
                 node = etcd_node(cmd["endpoint"], run_id, n)
@@ -531,22 +539,107 @@ class WorkerNodes:
                 print(f"close failed: {exc}", file=sys.stderr)
 
 
-def worker_main() -> None:
+class JoinPhase:
+    """``--join``, in one worker: its members train on (``membership_change()`` polled every
+    ``--monitor-interval`` s, as the agent's monitor loop does) and re-join on a change; its
+    joiners call ``next_rendezvous()`` at once. Each node is a thread."""
+
+    def __init__(self, members: WorkerNodes, interval: float) -> None:
+        self.members, self.interval = members, interval
+        self.deadline = time.monotonic() + RDZV_CONF["join_timeout"] + 60
+        self.member_rows: list[dict[str, Any]] = [{} for _ in members.handlers]
+        self.joiner_rows: list[dict[str, Any]] = []
+        self.threads: list[threading.Thread] = []
+        self._spawn(self._monitor, len(self.member_rows))
+
+    def _spawn(self, target: Callable[[int], None], count: int) -> None:
+        threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        self.threads.extend(threads)
+
+    def _monitor(self, i: int) -> None:
+        handler, requests = self.members.handlers[i], self.members.requests[i]
+        row: dict[str, Any] = {}
+        self.member_rows[i] = row
+        before, polls = requests(), 0
+        row["round_before"] = handler._joined_round
+        while time.monotonic() < self.deadline:
+            change = handler.membership_change()
+            polls += 1
+            if change is not None:
+                row["seen"] = time.monotonic()
+                row["kind"] = getattr(change.kind, "value", str(change.kind))
+                row["requests_while_running"] = requests() - before
+                _rejoin(handler, row)
+                break
+            time.sleep(self.interval)
+        row["polls"] = polls
+        row["requests"] = requests() - before
+
+    def join(self, joiners: WorkerNodes) -> None:
+        """Start every joiner's ``next_rendezvous`` now; answer without waiting for them."""
+        self.joiner_rows = [{} for _ in joiners.handlers]
+
+        def run(i: int) -> None:
+            row, requests = self.joiner_rows[i], joiners.requests[i]
+            before = requests()
+            row["started"] = time.monotonic()
+            _rejoin(joiners.handlers[i], row)
+            row["requests"] = requests() - before
+
+        self._spawn(run, len(self.joiner_rows))
+
+    def collect(self) -> dict[str, Any]:
+        for thread in self.threads:
+            thread.join(max(1.0, self.deadline - time.monotonic()))
+        return {"members": self.member_rows, "joiners": self.joiner_rows}
+
+
+def _rejoin(handler: Any, row: dict[str, Any]) -> None:
+    """``next_rendezvous()`` into ``row``: when it returned, rank, world and round."""
+    try:
+        info = handler.next_rendezvous()
+        row["rank"], row["world"] = info.rank, info.world_size
+        row["round"] = handler._joined_round
+    except Exception as exc:  # reported in the JSON
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    row["finished"] = time.monotonic()
+
+
+def worker_main(args: argparse.Namespace) -> None:
     """A bench worker: build nodes, run rounds, close them, as the parent commands (JSON
-    lines on stdin; answers on stdout)."""
+    lines on stdin; answers on stdout). ``--join``: ``build`` with ``role: joiners`` builds
+    a second set of nodes; ``monitor``, ``join`` and ``collect`` run a :class:`JoinPhase`."""
     nodes: WorkerNodes | None = None
+    joiners: WorkerNodes | None = None
+    phase: JoinPhase | None = None
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["cmd"] == "build":
-            nodes = WorkerNodes(cmd)
+        if cmd["cmd"] == "build" and cmd.get("role") == "joiners":
+            joiners = WorkerNodes(cmd)
             answer: dict[str, Any] = {"ready": True}
+        elif cmd["cmd"] == "build":
+            nodes = WorkerNodes(cmd)
+            answer = {"ready": True}
         elif cmd["cmd"] == "go" and nodes is not None:
             # Wraps the join loop's wait as the handlers left it (our watch hook).
             with DelayCounter().installed() as delays:
                 answer = nodes.run(delays)
+        elif cmd["cmd"] == "monitor" and nodes is not None:
+            phase = JoinPhase(nodes, args.monitor_interval)
+            answer = {"monitoring": True}
+        elif cmd["cmd"] == "join" and phase is not None and joiners is not None:
+            phase.join(joiners)
+            answer = {"joining": True}
+        elif cmd["cmd"] == "collect" and phase is not None:
+            cpu = time.process_time()
+            answer = {**phase.collect(), "cpu_s": time.process_time() - cpu}
         elif cmd["cmd"] == "close" and nodes is not None:
-            nodes.close()
-            nodes, answer = None, {"closed": True}
+            for group in (nodes, joiners):
+                if group is not None:
+                    group.close()
+            nodes, joiners, phase, answer = None, None, None, {"closed": True}
         else:
             return
         print(json.dumps(answer), flush=True)
@@ -562,6 +655,7 @@ class Pool:
             "--worker",
             f"--join-timeout={args.join_timeout}",
             f"--keep-alive-interval={args.keep_alive_interval}",
+            f"--monitor-interval={args.monitor_interval}",
         ]
         self.procs = [
             subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -646,6 +740,134 @@ def measure_multi(algo: str, n: int, pool: Pool, server: EtcdServer) -> dict[str
         row["close_error"] = str(exc)
     del host
     return row
+
+
+def _spread(total: int, procs: int) -> list[int]:
+    return [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
+
+
+def measure_join(n: int, k: int, pool: Pool, server: EtcdServer, settle_s: float) -> dict[str, Any]:
+    """``--join``: N announce members form a round (``min_nodes`` N, ``max_nodes`` N + K) and
+    train on, polling ``membership_change()``; then K joiners start at once. Until every
+    node is in one completed round: how many rounds it took, how long the members took to
+    see JOINERS and the new round to complete, and the worst member's and joiner's etcd
+    requests (keep-alives left out)."""
+    procs = min(len(pool.procs), n)
+    run_id = f"bench-join-{n}-{k}-{uuid.uuid4().hex[:8]}"
+    base: dict[str, Any] = {
+        "cmd": "build",
+        "algo": "announce",
+        "n": n,
+        "max_n": n + k,
+        "run_id": run_id,
+        "endpoint": server.endpoint,
+    }
+    pool.ask([{**base, "count": c} for c in _spread(n, procs)])
+    first = [r for a in pool.ask([{"cmd": "go"}] * procs) for r in a["nodes"]]
+    start = min(r["started"] for r in first)
+    row: dict[str, Any] = {
+        "mode": "join",
+        "backend": "announce",
+        "nodes": n,
+        "joiners": k,
+        "max_nodes": n + k,
+        "processes": procs,
+        "first_round_s": round(max(r["finished"] for r in first) - start, 3),
+        "first_round_ok": sorted(r.get("rank", -1) for r in first) == list(range(n))
+        and all(r.get("world") == n for r in first),
+    }
+    pool.ask([{"cmd": "monitor"}] * procs)
+    time.sleep(settle_s)  # the round runs; the closer probes its members meanwhile
+    pool.ask([{**base, "role": "joiners", "count": c} for c in _spread(k, procs)])
+    server_pid = server.proc.pid if server.proc else None
+    etcd_cpu = proc_cpu_s(server_pid) if server_pid else 0.0
+    pool.ask([{"cmd": "join"}] * procs)
+    answers = pool.ask([{"cmd": "collect"}] * procs)
+    etcd_cpu = (proc_cpu_s(server_pid) if server_pid else 0.0) - etcd_cpu
+    members = [r for a in answers for r in a["members"]]
+    joiners = [r for a in answers for r in a["joiners"]]
+    everyone = members + joiners
+    errors = sorted({r["error"] for r in everyone if "error" in r})
+    round_before = max((r.get("round_before") or 0) for r in members)
+    rounds = sorted({r.get("round") for r in everyone}, key=lambda x: (x is None, x or 0))
+    one_round = (
+        len(rounds) == 1
+        and rounds[0] is not None
+        and sorted(r.get("rank", -1) for r in everyone) == list(range(n + k))
+        and all(r.get("world") == n + k for r in everyone)
+    )
+    t0 = min(r["started"] for r in joiners)
+    seen = [r["seen"] for r in members if "seen" in r]
+    done = [r["finished"] for r in everyone if "finished" in r]
+    last_seen = max(seen) if seen else None
+    row.update(
+        {
+            "all_in_one_round": one_round,
+            "round_before": round_before,
+            "rounds_after": rounds,
+            "extra_rounds": (rounds[-1] - round_before)
+            if rounds and rounds[-1] is not None
+            else None,
+            "kinds_seen": sorted({r.get("kind", "none") for r in members}),
+            "members_saw_joiners_first_s": round(min(seen) - t0, 3) if seen else None,
+            "members_saw_joiners_s": round(last_seen - t0, 3) if last_seen else None,
+            "new_round_after_seen_s": round(max(done) - last_seen, 3)
+            if last_seen and done
+            else None,
+            "join_total_s": round(max(done) - t0, 3) if done else None,
+            "max_member_requests_while_running": max(
+                (r.get("requests_while_running", -1) for r in members), default=-1
+            ),
+            "members_with_requests_while_running": sum(
+                1 for r in members if r.get("requests_while_running", 0) > 0
+            ),
+            "member_requests_while_running_hist": {
+                str(c): sum(1 for r in members if r.get("requests_while_running", -1) == c)
+                for c in sorted({r.get("requests_while_running", -1) for r in members})
+            },
+            "max_member_requests": max(r["requests"] for r in members),
+            "member_requests_per_node": round(sum(r["requests"] for r in members) / n, 2),
+            "max_joiner_requests": max(r.get("requests", -1) for r in joiners),
+            "joiner_requests_per_node": round(sum(r.get("requests", 0) for r in joiners) / k, 2),
+            "member_polls_max": max(r.get("polls", 0) for r in members),
+            "client_cpu_s": round(sum(a["cpu_s"] for a in answers), 3),
+            "etcd_server_cpu_s": round(etcd_cpu, 3),
+        }
+    )
+    row["ok"] = bool(row["first_round_ok"] and one_round and not errors)
+    row["goal_one_extra_round"] = row["extra_rounds"] == 1
+    row["errors"] = errors[:3]
+    try:
+        pool.ask([{"cmd": "close"}] * procs)
+    except RuntimeError as exc:
+        row["close_error"] = str(exc)
+    return row
+
+
+def run_join(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str, Any]:
+    """``--join K``: for each N in ``--nodes``, a running round of N announce members that K
+    joiners join at once (see :func:`measure_join`)."""
+    server = start_etcd(tmp / "data")
+    pool = Pool(min(args.procs, max(counts)), args)
+    rows: list[dict[str, Any]] = []
+    try:
+        for n in counts:
+            for k in range(args.repeats):
+                load = os.getloadavg()[0]
+                try:
+                    row = measure_join(n, args.join, pool, server, args.join_settle_s)
+                    row.update(repeat=k, load=load)
+                except RuntimeError as exc:  # a worker died
+                    row = {"mode": "join", "nodes": n, "joiners": args.join, "ok": False}
+                    row["error"] = str(exc)
+                    pool.close()
+                    pool = Pool(min(args.procs, max(counts)), args)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                rows.append(row)
+    finally:
+        pool.close()
+        server.stop()
+    return {"results": rows, "processes": args.procs, "monitor_interval_s": args.monitor_interval}
 
 
 def run_multi(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str, Any]:
@@ -917,6 +1139,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--max-round-s", type=float, default=60.0, help="slower: not run at larger N"
     )
+    parser.add_argument(
+        "--join",
+        type=int,
+        default=0,
+        metavar="K",
+        help="announce only: a running round of N (--nodes) members that K nodes join at once",
+    )
+    parser.add_argument(
+        "--monitor-interval",
+        type=float,
+        default=0.3,
+        help="seconds between a running member's membership_change() polls (--join)",
+    )
+    parser.add_argument(
+        "--join-settle-s",
+        type=float,
+        default=2.0,
+        help="seconds the first round runs before the joiners start (--join)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -925,13 +1166,15 @@ def main() -> None:
     args = parse_args()
     configure(args)
     if args.worker:
-        worker_main()
+        worker_main(args)
         return
     counts = [int(x) for x in args.nodes.split(",") if x.strip()]
     started = time.monotonic()
     report = {**run_stamp(), **environment()}
     with tempfile.TemporaryDirectory(prefix="rdzv-bench-") as tmp:
-        if args.single_process:
+        if args.join:
+            report.update(run_join(args, counts, Path(tmp)))
+        elif args.single_process:
             report.update(run_all(args, counts, Path(tmp)))
         else:
             report.update(run_multi(args, counts, Path(tmp)))
