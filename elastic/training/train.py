@@ -122,9 +122,12 @@ class Trainer:
         for i, micro in enumerate(mine):
             loss_sum += self._micro_step(micro, last=i == len(mine) - 1)
         self.bn.end_step(self.sampler.micro_batches_per_step)
+        # Agree before stepping: a peer that dies here leaves this rank at the last reported
+        # step (its failure-time snapshot redoes this one), never at a step nobody reported.
+        result = self._agree(loss_sum, after, stop_requested, persist)
         self.optimizer.step()
         self.scheduler.step()
-        return self._agree(loss_sum, after, stop_requested, persist)
+        return result
 
     def _micro_step(self, micro: torch.Tensor, last: bool) -> torch.Tensor:
         images, labels = collate(self.dataset, micro)
