@@ -44,21 +44,9 @@ from elastic.rendezvous.rounds import (
     record_members,
 )
 from tests.helpers import REPO, kill_pid, wait_until
+from tests.rendezvous.fakes import FakeHolder
 
 A, B, C, D = (_NodeDesc(f"10.0.0.{i}", 100 + i, 0) for i in range(1, 5))
-
-
-class FakeHolder:
-    """A state holder with no backend: every sync is a no-op."""
-
-    def __init__(self, state: _RendezvousState) -> None:
-        self.state = state
-
-    def sync(self) -> None:
-        return None
-
-    def mark_dirty(self) -> None:
-        pass
 
 
 class WaitedForTheLastCall(Exception):

@@ -15,19 +15,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elastic.rendezvous.rounds import LeaveOp, ProbingStateHolder, WaitListExecutor
-
-
-class FakeHolder:
-    """A state holder with no backend: every sync is a no-op."""
-
-    def __init__(self, state: _RendezvousState) -> None:
-        self.state = state
-
-    def sync(self) -> None:
-        return None
-
-    def mark_dirty(self) -> None:
-        pass
+from tests.rendezvous.fakes import FakeHolder
 
 
 def settings(max_nodes: int) -> RendezvousSettings:
