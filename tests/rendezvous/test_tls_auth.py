@@ -148,20 +148,28 @@ def test_expired_auth_token_is_renewed(
     assert "auth token was rejected" in caplog.text
 
 
-def test_rendezvous_backend_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: str) -> None:
+def _secure_params(
+    secure_etcd: SecureEtcd, run_id: str, max_nodes: int, **extra: str
+) -> RendezvousParameters:
+    """Rendezvous parameters for ``secure_etcd``: TLS, a client certificate and a password."""
     c = secure_etcd.certs
-    params = RendezvousParameters(
+    return RendezvousParameters(
         "etcd-v3",
         f"https://{secure_etcd.server.endpoint}",
         run_id,
         1,
-        1,
+        max_nodes,
         cacert=str(c.ca),
         cert=str(c.client_cert),
         key=str(c.client_key),
         user="root",
         password=PASSWORD,
+        **extra,
     )
+
+
+def test_rendezvous_backend_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: str) -> None:
+    params = _secure_params(secure_etcd, run_id, 1)
     backend, store = create_backend(params)
     _, token, ok = backend.set_state(b"state")  # type: ignore[misc]
     assert ok and backend.get_state() == (b"state", token)
@@ -172,18 +180,10 @@ def test_rendezvous_backend_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: s
 def test_announce_rendezvous_over_tls_and_auth(secure_etcd: SecureEtcd, run_id: str) -> None:
     """The announce algorithm's own requests (leases, keep-alives, watches, transactions)
     over TLS with a client certificate and a password."""
-    c = secure_etcd.certs
-    params = RendezvousParameters(
-        "etcd-v3",
-        f"https://{secure_etcd.server.endpoint}",
+    params = _secure_params(
+        secure_etcd,
         run_id,
-        1,
         2,
-        cacert=str(c.ca),
-        cert=str(c.client_cert),
-        key=str(c.client_key),
-        user="root",
-        password=PASSWORD,
         algorithm="announce",
         last_call_timeout="0.2",
         keep_alive_interval="1",
