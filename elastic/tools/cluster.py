@@ -263,7 +263,8 @@ class LocalCluster:
             node.kill(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.wait(10)
-        orphans = sorted(pid for pid in self.worker_pids() if self._still_ours(pid))
+        firsts = self._first_event_ts()
+        orphans = sorted(p for p in self.worker_pids() if self._still_ours(p, firsts[p]))
         for pid in [*orphans, *below]:
             kill(pid, signal.SIGKILL)
         if self.etcd is not None:
@@ -356,15 +357,23 @@ class LocalCluster:
         agents = {node.pid for node in self.nodes.values()}
         return {e["pid"] for e in self.events() if "pid" in e} - agents
 
-    def _still_ours(self, pid: int) -> bool:
-        """Whether ``pid`` still runs the process that wrote events under it: a process
-        started after that writer's first event got the pid by reuse (pids wrap around on a
-        busy machine) and is someone else's."""
+    def _first_event_ts(self) -> dict[int, float]:
+        """Each writer's first event time, by pid (one read of the event log)."""
+        firsts: dict[int, float] = {}
+        for e in self.events():
+            if "pid" in e:
+                firsts[e["pid"]] = min(e["ts"], firsts.get(e["pid"], e["ts"]))
+        return firsts
+
+    @staticmethod
+    def _still_ours(pid: int, first_ts: float) -> bool:
+        """Whether ``pid`` still runs the process that wrote events under it from
+        ``first_ts`` on: a process started after that got the pid by reuse (pids wrap around
+        on a busy machine) and is someone else's."""
         if not alive(pid):
             return False
-        first = min(e["ts"] for e in self.events() if e.get("pid") == pid)
         started = started_at(pid)
-        return started is None or started <= first + 0.05
+        return started is None or started <= first_ts + 0.05
 
     def logs(self, tail: int = 4000) -> str:
         return "\n".join(f"--- {n}\n{node.output()[-tail:]}" for n, node in self.nodes.items())
