@@ -263,8 +263,11 @@ class LocalCluster:
             node.kill(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.wait(10)
-        firsts = self._first_event_ts()
-        orphans = sorted(p for p in self.worker_pids() if self._still_ours(p, firsts[p]))
+        agents = {node.pid for node in self.nodes.values()}
+        firsts = self._first_event_ts()  # one read: writers may still be appending
+        orphans = sorted(
+            p for p, ts in firsts.items() if p not in agents and self._still_ours(p, ts)
+        )
         for pid in [*orphans, *below]:
             kill(pid, signal.SIGKILL)
         if self.etcd is not None:
