@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -41,8 +41,10 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "ckpt.save": "a rank's checkpoint save ended: step, ok, url, blocking_s, durable_s "
         "(error and last_good when it failed)",
         "ckpt.load": "a rank loaded a checkpoint: step, url, seconds, world_size",
-        "train.step": "rank 0 completed a step: step, loss, lr, samples_per_s, world_size, epoch",
-        "train.samples": "the sample indices a rank trained on in a step (job.sample_ledger)",
+        "train.step": "rank 0 completed a step: step, loss, lr, samples_per_s, world_size, epoch "
+        "(see completed_steps for the steps a dead rank 0 could not report)",
+        "train.samples": "the sample indices a rank trains on in a step, recorded before the "
+        "step runs; a redone step's record replaces it (job.sample_ledger)",
         # elastic.recovery (the elastic.Run API)
         "recovery.resume": "a rank resumed: step, source (memory: its node's snapshot, peer: "
         "streamed from a holder, storage, fresh), seconds, bytes received, held, persisted",
@@ -112,4 +114,19 @@ def read(path: str | os.PathLike[str], kind: str | None = None) -> list[dict[str
     return events
 
 
-__all__ = ["KINDS", "emit", "read"]
+def completed_steps(log: Iterable[Mapping[str, Any]]) -> set[int]:
+    """The steps that ran, as an event log shows them: those rank 0 reported
+    (``train.step``) and those some rank resumed from (``ckpt.load``).
+
+    A state at step N exists only if step N ran. The second source matters when rank 0
+    dies right after its group agreed on step N: the survivors complete N and hold it in
+    memory, the next world resumes from it, and rank 0 never reported it.
+    """
+    return {
+        int(e["step"])
+        for e in log
+        if e.get("kind") in ("train.step", "ckpt.load") and isinstance(e.get("step"), int)
+    }
+
+
+__all__ = ["KINDS", "completed_steps", "emit", "read"]

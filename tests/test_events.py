@@ -74,3 +74,18 @@ def test_a_process_on_a_full_disk_keeps_going() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("Cannot write the event log /dev/full") == 1, result.stderr
+
+
+def test_completed_steps_counts_a_step_only_a_resume_shows() -> None:
+    """Rank 0 reported 1, 2 and 4; the world after a failure resumed from step 3 (rank 0
+    died after its group agreed on it). Step 5 neither ran nor was resumed from."""
+    log = [
+        {"kind": "train.step", "step": 1},
+        {"kind": "train.step", "step": 2},
+        {"kind": "train.samples", "step": 5, "rank": 0},
+        {"kind": "ckpt.load", "step": 3, "source": "peer"},
+        {"kind": "ckpt.save", "step": 5},
+        {"kind": "train.step", "step": 4},
+        {"kind": "train.step", "step": "6"},  # not a step number: ignored
+    ]
+    assert events.completed_steps(log) == {1, 2, 3, 4}

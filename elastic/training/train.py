@@ -104,7 +104,6 @@ class Trainer:
         self.world_size = world_size
         self.device = device
         self.bn = BatchNormStats(model)
-        self.last_indices: list[int] = []
 
     def step(
         self, cursor: Cursor, stop_requested: bool = False, persist: bool = True
@@ -114,7 +113,6 @@ class Trainer:
         snapshots survive); the group persists if any rank votes for it."""
         indices, after = self.sampler.global_batch(cursor)
         mine = self.sampler.for_rank(indices, self.rank, self.world_size)
-        self.last_indices = [int(i) for mb in mine for i in mb]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self.bn.begin_step()

@@ -221,15 +221,8 @@ class Worker:
     def _advance(self) -> int:
         """Move the step and cursor on as :meth:`run` does after a step (for a snapshot
         taken when a step failed after its optimizer step)."""
-        indices, self.cursor = self.sampler.global_batch(self.cursor)
-        self.step += 1
-        if self.cfg.job.sample_ledger:
-            # This rank's optimizer stepped, so its gradient all-reduce had every rank's
-            # samples: the ledger records them all (the peers that died never will).
-            world = self.ctx.world_size
-            for rank in range(world):
-                mine = self.sampler.for_rank(indices, rank, world)
-                self._ledger(self.cursor.epoch, rank, [int(i) for mb in mine for i in mb])
+        _, self.cursor = self.sampler.global_batch(self.cursor)
+        self.step += 1  # every rank recorded its samples of this step before it ran
         return self.step
 
     def memory_state(self) -> dict[str, Any]:
@@ -397,6 +390,8 @@ class Worker:
             self.snapshots.restart_clock()
         while self.step < end:
             started = time.perf_counter()
+            if self.cfg.job.sample_ledger:
+                self._record_samples()
             result = self.trainer.step(self.cursor, stop.requested, self._persist_vote(stop))
             self._persist_stop = result.persist
             self.step += 1
@@ -414,20 +409,24 @@ class Worker:
                 last_saved = self.step
         return last_saved
 
-    def _ledger(self, epoch: int, rank: int, indices: list[int]) -> None:
+    def _record_samples(self) -> None:
+        """Record this rank's samples of the next step before it runs: a rank that dies
+        right after its group agreed on a step never reaches the end of it, yet the
+        survivors complete it. A redone step's record replaces this one
+        (:func:`elastic.tools.chaos.kept_samples`)."""
+        indices, after = self.sampler.global_batch(self.cursor)
+        mine = self.sampler.for_rank(indices, self.ctx.rank, self.ctx.world_size)
         events.emit(
             "train.samples",
-            step=self.step,
-            rank=rank,
+            step=self.step + 1,
+            rank=self.ctx.rank,
             world_size=self.ctx.world_size,
-            epoch=epoch,
-            indices=indices,
+            epoch=after.epoch,
+            indices=[int(i) for mb in mine for i in mb],
         )
 
     def _report(self, result: StepResult, seconds: float, progress: _Progress) -> None:
         samples_per_s = self.sampler.global_batch_size / max(seconds, 1e-9)
-        if self.cfg.job.sample_ledger:
-            self._ledger(result.cursor.epoch, self.ctx.rank, self.trainer.last_indices)
         if self.ctx.rank != 0:
             return
         lr = self.optimizer.param_groups[0]["lr"]

@@ -7,6 +7,7 @@ The comparisons (final model vs a fault-free run, samples of the kept trajectory
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,19 @@ class Job(LocalCluster):
         max_restarts: int = 3,
         netns: str | None = None,
         addr: str = "127.0.0.1",
+        worker: Sequence[str] | None = None,
         **cfg: Any,
     ) -> Node:
-        """Start one agent (inside network namespace ``netns`` when given)."""
+        """Start one agent (inside network namespace ``netns`` when given) running
+        ``worker`` (default: the CNN worker with this job's overrides and ``cfg``)."""
         return super().start(
-            name, overrides=cfg, nnodes=nnodes, max_restarts=max_restarts, netns=netns, addr=addr
+            name,
+            worker=worker,
+            overrides=cfg,
+            nnodes=nnodes,
+            max_restarts=max_restarts,
+            netns=netns,
+            addr=addr,
         )
 
     def final_model(self, url: Path | None = None, run_id: str | None = None) -> dict[str, Any]:

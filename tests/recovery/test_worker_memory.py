@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from elastic import events
 from elastic.etcd.server import EtcdServer
 from tests.agent.jobs import Job, assert_models_match
 from tests.helpers import wait_until
@@ -58,7 +59,7 @@ def test_worker_recovers_from_memory_then_peer(tmp_path, etcd: EtcdServer, run_i
 
         for name in ("a", "c"):
             assert job.nodes[name].wait(300) == 0, job.logs()
-        steps = sorted({e["step"] for e in job.steps()})
+        steps = sorted(events.completed_steps(job.events()))
         assert steps == list(range(1, job.max_steps + 1)), steps
         used = job.ledger()
         assert len(used) == len(set(used)) == job.max_steps * 48, "a sample was skipped or repeated"
