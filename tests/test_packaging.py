@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
+
 # What the wheel is built from (the Dockerfile copies the same).
 SOURCES = ("pyproject.toml", "README.md", "elastic", "agents", "configs")
 
