@@ -105,6 +105,9 @@ class AgentOptions:
     monitor_interval: float = 0.3
     addr: str = "127.0.0.1"
     netns: str | None = None  # run inside this network namespace (``ip netns exec``)
+    # The launcher's own command (e.g. the ``elastic-agent`` console script); None:
+    # ``python -m agents.launch`` (``python -m torch.distributed.run`` with ``torchrun``).
+    command: tuple[str, ...] | None = None
 
     def conf(self, host: bool | None = None) -> str:
         """``--rdzv-conf``; under c10d ``host`` says whether this node hosts the store."""
@@ -119,11 +122,10 @@ class AgentOptions:
         self, endpoint: str, run_id: str, worker: Sequence[str], host: bool | None = None
     ) -> list[str]:
         launcher = "torch.distributed.run" if self.torchrun else "agents.launch"
+        command = self.command or (sys.executable, "-m", launcher)
         conf = self.conf(host)
         argv = [
-            sys.executable,
-            "-m",
-            launcher,
+            *command,
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.nproc}",
             f"--rdzv-backend={self.backend}",
@@ -305,11 +307,14 @@ class LocalCluster:
         run_id: str | None = None,
         host: bool | None = None,
         extra_env: Mapping[str, str] | None = None,
+        event_log: bool = True,
         **options: Any,
     ) -> Node:
         """Start node ``name``: an agent running ``worker`` (default: the training worker
         with ``overrides``). ``options`` replace fields of :class:`AgentOptions`; ``host``
-        says under c10d whether this node hosts the store."""
+        says under c10d whether this node hosts the store; ``event_log`` False leaves
+        ``ELASTIC_EVENT_LOG`` out of the agent's environment (it then keeps its workers'
+        events in a private log of its own, which :meth:`events` does not see)."""
         opts = dataclasses.replace(self.options, **options) if options else self.options
         if endpoint is None:
             endpoint = self.endpoint or self.open().endpoint
@@ -325,6 +330,8 @@ class LocalCluster:
             env.EVENT_LOG: str(self.event_log),
             **(extra_env or {}),
         }
+        if not event_log:
+            environ.pop(env.EVENT_LOG)
         if opts.netns:
             environ["GLOO_SOCKET_IFNAME"] = "eth0"
         node = Node(name, argv, self.run_dir / f"{name}.log", environ, self.cwd)
