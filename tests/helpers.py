@@ -1,25 +1,36 @@
 """Shared test helpers: polling with a deadline, node processes, cleanup by PID.
 
 Nodes are started and driven by :class:`elastic.tools.cluster.LocalCluster` (tests wrap
-it in ``tests/agent/jobs.py`` and ``tests/rendezvous/nodes.py``).
+it in ``tests/agent/jobs.py`` and ``tests/rendezvous/nodes.py``, or use
+:func:`local_cluster` and :func:`run_node`). A test of the agent's own command line
+builds it with :func:`agent_argv` from :class:`~elastic.tools.cluster.AgentOptions`.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from elastic.procs import alive as pid_alive  # noqa: F401  (re-exported for the tests)
 from elastic.procs import kill as kill_pid  # noqa: F401  (re-exported for the tests)
-from elastic.tools.cluster import Node, agent_env, fast_conf  # noqa: F401  (Node: re-exported)
+from elastic.tools.cluster import (  # noqa: F401  (Node: re-exported)
+    AgentOptions,
+    LocalCluster,
+    Node,
+    agent_env,
+    fast_conf,
+)
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+# The ``elastic-agent`` console script of this venv (absent when the package is not installed).
+ELASTIC_AGENT = Path(PYTHON).with_name("elastic-agent")
 # The tests' --rdzv-conf: the fast-failover profile, 60 s to join.
 FAST_CONF = fast_conf(join_timeout=60)
 
@@ -40,3 +51,67 @@ def node_env(**extra: str) -> dict[str, str]:
     """An agent's environment (:func:`agent_env`) that imports this checkout first."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     return agent_env(PYTHONPATH=path, **extra)
+
+
+def run_process(argv: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` to its end in this checkout (:func:`node_env`, in ``REPO``), capturing
+    its output."""
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=timeout, env=node_env(), cwd=REPO
+    )
+
+
+def agent_argv(
+    worker: Sequence[str],
+    *,
+    endpoint: str = "127.0.0.1:1",
+    run_id: str = "x",
+    console_script: bool = False,
+    **options: Any,
+) -> list[str]:
+    """An agent's command line running ``worker``: :meth:`AgentOptions.argv` with the
+    fields ``options``. The default endpoint has nothing listening (for tests of the
+    command line); ``console_script`` starts the ``elastic-agent`` script when this venv
+    has it (else ``python -m agents.launch``, which it runs)."""
+    if console_script and ELASTIC_AGENT.exists():
+        options["command"] = (str(ELASTIC_AGENT),)
+    return AgentOptions(**options).argv(endpoint, run_id, worker)
+
+
+def local_cluster(
+    run_dir: Path,
+    endpoint: str,
+    run_id: str,
+    environ: Mapping[str, str] | None = None,
+    **options: Any,
+) -> LocalCluster:
+    """Agents of this checkout on ``endpoint``: ``options`` are :class:`AgentOptions`
+    fields, ``environ`` the agents' environment (default :func:`node_env`), run in
+    ``REPO``. Use it in a ``with`` block: every process it starts dies at its end."""
+    return LocalCluster(
+        run_dir,
+        run_id,
+        endpoint,
+        options=AgentOptions(**options),
+        env=node_env() if environ is None else environ,
+        cwd=REPO,
+    )
+
+
+def run_node(
+    cluster: LocalCluster,
+    worker: Sequence[str],
+    timeout: float,
+    name: str = "node",
+    **start: Any,
+) -> tuple[int, str]:
+    """Start node ``name`` running ``worker`` (``start``: more arguments of
+    :meth:`LocalCluster.start`), wait for its agent to exit and return its exit code and
+    output (stdout and stderr); fail with that output if it runs past ``timeout`` s."""
+    node = cluster.start(name, worker=worker, **start)
+    try:
+        code = node.wait(timeout)
+    except subprocess.TimeoutExpired:
+        tail = node.output()[-3000:]
+        raise AssertionError(f"node {name} still ran after {timeout} s:\n{tail}") from None
+    return code, node.output()
