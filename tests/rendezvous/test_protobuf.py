@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import textwrap
 from pathlib import Path
 
 from elastic.etcd.server import EtcdServer
-from tests.helpers import PYTHON, REPO
+from tests.helpers import PYTHON, REPO, local_cluster, run_node
 
 PROTOBUF_IMPL = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
@@ -91,32 +90,18 @@ def test_user_script_under_the_agent_does_not_inherit_the_protobuf_override(
     assert PROTOBUF_IMPL not in os.environ
     script, out = tmp_path / "report_env.py", tmp_path / "env.json"
     script.write_text(USER_SCRIPT)
-    argv = [
-        PYTHON,
-        "-m",
-        "agents.launch",
-        "--nnodes=1",
-        "--nproc-per-node=1",
-        f"--rdzv-endpoint={etcd.endpoint}",
-        f"--rdzv-id={run_id}",
-        "--rdzv-conf=profile=fast-failover",
-        "--max-restarts=0",
-        str(script),
-        str(out),
-    ]
-    log = tmp_path / "agent.log"
-    with open(log, "wb") as sink:
-        agent = subprocess.Popen(
-            argv, stdout=sink, stderr=subprocess.STDOUT, env=_clean_env(), start_new_session=True
-        )
-    try:
-        code = agent.wait(120)
-    finally:
-        if agent.poll() is None:  # timed out: end the agent's session (it and its worker)
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait(30)
-    assert code == 0, log.read_text(errors="replace")
-    assert json.loads(out.read_text()) == {"impl": None}, log.read_text(errors="replace")
+    with local_cluster(
+        tmp_path / "run",
+        etcd.endpoint,
+        run_id,
+        _clean_env(),
+        nnodes="1",
+        rdzv_conf="profile=fast-failover",
+        max_restarts=0,
+    ) as cluster:
+        code, output = run_node(cluster, [str(script), str(out)], 120)
+    assert code == 0, output
+    assert json.loads(out.read_text()) == {"impl": None}, output
 
 
 def test_old_etcd3_stubs_left_by_an_upgrade_fail_with_a_sentence_saying_what_to_do(
