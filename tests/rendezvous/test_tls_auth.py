@@ -18,7 +18,7 @@ from elastic.etcd.server import EtcdServer, find_etcd
 from elastic.rendezvous.announce import build_announce_handler
 from elastic.rendezvous.options import ALGORITHMS, RendezvousOptions
 from elastic.rendezvous.registry import create_backend
-from tests.helpers import PYTHON, REPO, node_env, wait_until
+from tests.helpers import local_cluster, node_env, run_node, wait_until
 from tests.rendezvous.tls import Certs, make_certs
 
 PASSWORD = "s3cret-pw"
@@ -98,8 +98,8 @@ def test_tls_and_password_work(secure_etcd: SecureEtcd) -> None:
 def test_a_user_added_while_logged_in_does_not_fail_requests(secure_etcd: SecureEtcd) -> None:
     server, certs, root = secure_etcd.server, secure_etcd.certs, ("--user", f"root:{PASSWORD}")
     etcdctl(server, certs, *root, "role", "add", "tls-rw")
-    etcdctl(server, certs, *root, "role", "grant-permission", "tls-rw", "readwrite", "/tls/",
-            "--prefix")  # fmt: skip
+    grant = ["role", "grant-permission", "tls-rw", "readwrite", "/tls/", "--prefix"]
+    etcdctl(server, certs, *root, *grant)
     etcdctl(server, certs, *root, "user", "add", "writer", "--new-user-password=w-pw")
     etcdctl(server, certs, *root, "user", "grant-role", "writer", "tls-rw")
     options = dataclasses.replace(secure_etcd.options(), user="writer", password="w-pw")
@@ -211,22 +211,19 @@ open(sys.argv[1], "w").write(json.dumps(dict(os.environ)))
 
 def run_agent_dumping_env(
     secure_etcd: SecureEtcd, tmp: Path, run_id: str, conf: str, **env: str
-) -> tuple[subprocess.CompletedProcess[str], str]:
+) -> tuple[str, str]:
     """One agent on the TLS etcd running a script that dumps its environment; return the
-    agent's result and the worker's environment (JSON)."""
+    agent's output (stdout and stderr) and the worker's environment (JSON)."""
     script, dump = tmp / "dump_env.py", tmp / "env.json"
     script.write_text(ENV_DUMP)
     certs = secure_etcd.certs
     conf += f",cacert={certs.ca},cert={certs.client_cert},key={certs.client_key}"
-    result = subprocess.run(
-        [PYTHON, "-m", "agents.launch", "--nnodes=1", "--nproc-per-node=1",
-         f"--rdzv-endpoint=https://{secure_etcd.server.endpoint}", f"--rdzv-id={run_id}",
-         f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", str(script), str(dump)],
-        env=node_env(LOGLEVEL="INFO", **env), capture_output=True, text=True, timeout=180,
-        cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result, dump.read_text()
+    endpoint = f"https://{secure_etcd.server.endpoint}"
+    environ = node_env(LOGLEVEL="INFO", **env)
+    with local_cluster(tmp / "run", endpoint, run_id, environ, nnodes="1", rdzv_conf=conf) as c:
+        code, output = run_node(c, [str(script), str(dump)], 180)
+    assert code == 0, output[-3000:]
+    return output, dump.read_text()
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -234,19 +231,19 @@ def test_the_password_reaches_no_worker_environment_and_no_log(
     secure_etcd: SecureEtcd, tmp_path: Path, run_id: str, algorithm: str
 ) -> None:
     conf = f"profile=fast-failover,join_timeout=60,user=root,algorithm={algorithm}"
-    result, worker_env = run_agent_dumping_env(
+    output, worker_env = run_agent_dumping_env(
         secure_etcd, tmp_path, run_id, conf, ELASTIC_ETCD_PASSWORD=PASSWORD
     )
     assert "ELASTIC_ETCD_PASSWORD" not in worker_env
     assert PASSWORD not in worker_env, "the password reached the worker's environment"
-    assert PASSWORD not in result.stdout + result.stderr, "the password reached a log"
+    assert PASSWORD not in output, "the password reached a log"
 
 
 def test_a_password_on_the_command_line_is_redacted_from_torchs_log(
     secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
 ) -> None:
     conf = f"profile=fast-failover,join_timeout=60,user=root,password={PASSWORD}"
-    result, worker_env = run_agent_dumping_env(secure_etcd, tmp_path, run_id, conf)
-    assert "shows in 'ps'" in result.stderr
-    assert PASSWORD not in result.stdout + result.stderr, "the password reached a log"
+    output, worker_env = run_agent_dumping_env(secure_etcd, tmp_path, run_id, conf)
+    assert "shows in 'ps'" in output
+    assert PASSWORD not in output, "the password reached a log"
     assert PASSWORD not in worker_env, "the password reached the worker's environment"
