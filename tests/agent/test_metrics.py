@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import textwrap
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from elastic import env, metrics
 from elastic.errors import EtcdConnectionError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer, free_port
-from tests.helpers import FAST_CONF, PYTHON, REPO, node_env, wait_until
+from tests.helpers import FAST_CONF, local_cluster, node_env, wait_until
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -277,52 +275,32 @@ def test_elastic_agent_serves_metrics_on_a_port_it_prints(
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    environ = node_env()
-    environ.pop(env.EVENT_LOG, None)
-    environ[env.METRICS_PORT] = "0"
-    agent = subprocess.Popen(
-        [
-            PYTHON,
-            "-m",
-            "agents.launch",
-            "--nnodes=1",
-            f"--rdzv-endpoint={etcd.endpoint}",
-            f"--rdzv-id={run_id}",
-            f"--rdzv-conf={FAST_CONF}",
-            "--max-restarts=3",
-            str(script),
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=environ,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(agent.stderr or []), daemon=True)
-    reader.start()
-    try:
-        line = wait_until(
-            lambda: next((x for x in lines if "serving metrics on port" in x), None),
-            120,
-            "the agent to print its metrics port",
-        )
-        port = int(line.split("port")[1].split()[0])
-        samples = wait_until(
-            lambda: (s := scrape(port)) and (value(s, "elastic_train_step") or 0) >= 3 and s,
-            120,
-            "three steps in the metrics",
-        )
-        assert value(samples, "elastic_world_size") == 1
-        assert value(samples, "elastic_nodes") == 1
-        assert value(samples, "elastic_rendezvous_round") is not None
-        assert value(samples, "elastic_job_restarts_left") == 3
-        assert (value(samples, "elastic_etcd_request_seconds_count", op="txn") or 0) >= 1
-        private_log = (tmp_path / "event_log").read_text()
-        assert private_log and not private_log.startswith(str(tmp_path))
-    finally:
-        (tmp_path / "stop").touch()
-        agent.wait(timeout=120)
-    reader.join(timeout=10)
-    assert agent.returncode == 0, "".join(lines)[-3000:]
+    environ = node_env(**{env.METRICS_PORT: "0"})
+    options = {"nnodes": "1", "rdzv_conf": FAST_CONF, "max_restarts": 3}
+    with local_cluster(tmp_path / "run", etcd.endpoint, run_id, environ, **options) as cluster:
+        # No event log of ours: the agent keeps one private to its workers.
+        agent = cluster.start("a", worker=[str(script), str(tmp_path)], event_log=False)
+
+        def port_line() -> str | None:
+            return next((x for x in agent.output().splitlines() if "metrics on port" in x), None)
+
+        try:
+            line = wait_until(port_line, 120, "the agent to print its metrics port")
+            port = int(line.split("port")[1].split()[0])
+            samples = wait_until(
+                lambda: (s := scrape(port)) and (value(s, "elastic_train_step") or 0) >= 3 and s,
+                120,
+                "three steps in the metrics",
+            )
+            assert value(samples, "elastic_world_size") == 1
+            assert value(samples, "elastic_nodes") == 1
+            assert value(samples, "elastic_rendezvous_round") is not None
+            assert value(samples, "elastic_job_restarts_left") == 3
+            assert (value(samples, "elastic_etcd_request_seconds_count", op="txn") or 0) >= 1
+            private_log = (tmp_path / "event_log").read_text()
+            assert private_log and not private_log.startswith(str(tmp_path))
+        finally:
+            (tmp_path / "stop").touch()
+            code = agent.wait(timeout=120)
+        assert code == 0, agent.output()[-3000:]
     assert not os.path.exists(os.path.dirname(private_log)), "the private log is removed"
