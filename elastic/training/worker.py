@@ -399,11 +399,11 @@ class Worker:
             if self.snapshots is not None:
                 self.snapshots.boundary(self.step)
             self._report(result, time.perf_counter() - started, progress)
+            if result.stop:
+                break  # at once: pacing a step that ends the group only delays the re-form
             pace = self.cfg.job.min_step_s - (time.perf_counter() - started)
             if pace > 0:
                 time.sleep(pace)
-            if result.stop:
-                break
             if self.step % self.cfg.checkpoint.interval == 0 and self.step < end:
                 self.save(block=False)
                 last_saved = self.step
