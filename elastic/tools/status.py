@@ -3,6 +3,12 @@
 Also the pieces ``elastic dashboard`` shares: :func:`etcd_options` (the agent's TLS and
 login options, the password from a file or ``$ELASTIC_ETCD_PASSWORD``, never from the
 command line) and :func:`rendezvous_status`.
+
+The single-key rendezvous state is a pickle: it is decoded only with the job's secret
+(``$ELASTIC_SECRET_FILE``), after its HMAC verified. Without the secret nothing pickled
+is decoded at all, not even through the allow-list below: status then shows what etcd
+says about the key (size, revision, whether the agents sign it), the commit fence's round
+and the agents' probe keys, and a sentence that the details need the secret.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from elastic import env
 from elastic.credentials import password_from_env
 from elastic.errors import ConfigError, EtcdStateError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
-from elastic.rendezvous.backend import decode_state
+from elastic.rendezvous.backend import _MAGIC_SIGNED, decode_state
 from elastic.rendezvous.keys import RunKeys
 
 if TYPE_CHECKING:
@@ -31,6 +37,11 @@ PASSWORD_ENV = env.ETCD_PASSWORD
 # storage), "crc" reads every byte (the CRC-32 of each file; slow for remote storage).
 CheckpointVerify = Literal["size", "crc"]
 _LAYOUT_VERIFY: dict[str, Verify] = {"size": "size", "crc": "full"}
+# Said when the rendezvous state is not decoded (no secret): what is missing, and the fix.
+NEEDS_SECRET = (
+    "The round and members of this run are pickled in etcd and are shown only with the "
+    f"job's secret; set ${env.SECRET_FILE} to the job's secret file."
+)
 
 # The only globals torch's rendezvous state pickles; anything else is refused unread.
 _ALLOWED = {
@@ -116,19 +127,24 @@ def load_state(payload: bytes) -> Any:
 def rendezvous_status(
     client: EtcdClient, keys: RunKeys, secret: bytes | None = None
 ) -> dict[str, Any]:
-    """Decode the run's rendezvous state into plain data (``{"exists": False}`` when there is
-    none), under either algorithm (single-key or announce).
+    """The run's rendezvous state as plain data (``{"exists": False}`` when there is none),
+    under either algorithm (single-key or announce).
 
-    The state is authenticated with ``secret`` when one is given (as the agents do), and
-    unpickled only through an allow-list of torch's state classes either way.
+    The announce algorithm keeps JSON only, shown in full. The single-key state is a
+    pickle: with ``secret`` it is authenticated (as the agents do) and then unpickled
+    through an allow-list of torch's state classes; without one it is never unpickled,
+    and only what needs no decoding is returned (see :func:`_undecoded_status`).
     """
     kvs = client.range(keys.state).kvs
     if not kvs:  # no single-key state: the run may use the announce algorithm
         from elastic.rendezvous.announce import announce_status
 
         return announce_status(client, keys)
+    if not secret:
+        return _undecoded_status(client, keys, kvs[0])
+    payload = decode_state(kvs[0].value, keys.state, secret)  # raises unless signed by us
     try:
-        state = load_state(decode_state(kvs[0].value, keys.state, secret))
+        state = load_state(payload)
     except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError) as exc:
         raise EtcdStateError(
             f"The rendezvous state at '{keys.state.decode()}' cannot be decoded ({exc}); check "
@@ -161,6 +177,37 @@ def rendezvous_status(
     }
 
 
+def _undecoded_status(client: EtcdClient, keys: RunKeys, kv: Any) -> dict[str, Any]:
+    """What status can say of a single-key run without unpickling anything: the state
+    key's size and revision and whether the agents sign it, the commit fence's round
+    (the newest completed one, plain digits) and the nodes that published a probe port
+    (their key names), with :data:`NEEDS_SECRET`."""
+    fence = client.range(keys.fence).kvs
+    probes = client.range(keys.probes, prefix=True).kvs
+    start = len(keys.probes)
+    return {
+        "exists": True,
+        "decoded": False,
+        "key": keys.state.decode(),
+        "bytes": len(kv.value),
+        "revision": int(kv.mod_revision),
+        "signed": kv.value.startswith(_MAGIC_SIGNED),
+        "fence_round": _digits(fence[0].value) if fence else None,
+        "agents": sorted(_printable(p.key[start:]) for p in probes),
+        "note": NEEDS_SECRET,
+    }
+
+
+def _digits(value: bytes) -> int | None:
+    """A number etcd holds as ASCII digits (None for anything else)."""
+    return int(value) if value.isdigit() else None
+
+
+def _printable(name: bytes) -> str:
+    """A key name from etcd (untrusted) safe to print on a terminal."""
+    return "".join(c if c.isprintable() else "?" for c in name.decode(errors="replace"))
+
+
 def checkpoint_status(
     url: str | None,
     run_id: str,
@@ -191,6 +238,18 @@ def format_table(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None)
     lines = [f"run {run_id}"]
     if not rdzv["exists"]:
         lines.append("  no rendezvous state in etcd (never started, or expired)")
+    elif rdzv.get("decoded") is False:
+        signed = "signed" if rdzv["signed"] else "not signed"
+        fence = rdzv["fence_round"]
+        agents = rdzv["agents"]
+        lines.append(
+            f"  rendezvous state: {rdzv['bytes']} bytes at revision {rdzv['revision']}, "
+            f"{signed} (not decoded)"
+        )
+        lines.append(f"  newest completed round: {'none' if fence is None else fence}")
+        names = f" ({', '.join(agents)})" if agents else ""
+        lines.append(f"  agents with a probe port: {len(agents)}{names}")
+        lines.append(f"  {rdzv['note']}")
     else:
         lines.append(
             f"  round {rdzv['round']}  complete={rdzv['complete']}  closed={rdzv['closed']}  "
@@ -212,6 +271,7 @@ def status_json(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None) 
 
 
 __all__ = [
+    "NEEDS_SECRET",
     "PASSWORD_ENV",
     "CheckpointVerify",
     "checkpoint_status",

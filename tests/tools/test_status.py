@@ -1,27 +1,42 @@
-"""elastic status: TLS and login like the agent's, --watch, and the cheap checkpoint check."""
+"""elastic status: TLS and login like the agent's, --watch, the cheap checkpoint check, and
+nothing pickled decoded without the job's secret."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import textwrap
 import zlib
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from elastic.checkpoint.layout import make_marker, step_url, write_marker
+from elastic.errors import EtcdStateError
+from elastic.etcd.client import EtcdClient
 from elastic.etcd.server import EtcdServer, free_port
+from elastic.rendezvous.backend import encode_state
+from elastic.rendezvous.keys import RunKeys
+from elastic.tools import status as status_module
+from elastic.tools.cluster import AgentOptions, LocalCluster
+from elastic.tools.status import NEEDS_SECRET, format_table, rendezvous_status
 from tests.helpers import FAST_CONF, PYTHON, REPO, node_env, wait_until
 from tests.rendezvous.test_tls_auth import PASSWORD, SecureEtcd, secure_etcd  # noqa: F401
+
+STATUS = [PYTHON, "-m", "elastic.tools.cli", "status"]
+SECRET = b"a-job-secret-of-enough-length-0001"
 
 
 def status(*argv: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in node_env(**extra_env).items() if extra_env.get(k) != ""}
     return subprocess.run(
-        [PYTHON, "-m", "elastic.tools.cli", "status", *argv],
+        [*STATUS, *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -123,15 +138,16 @@ def test_members_of_a_real_agent_over_tls(
         f"{FAST_CONF},user=root,password_file={password_file},cacert={c.ca},"
         f"cert={c.client_cert},key={c.client_key}"
     )
-    log = tmp_path / "agent.log"
-    with open(log, "wb") as out:
-        agent = subprocess.Popen(
-            [PYTHON, "-m", "agents.launch", "--nnodes=1", "--nproc-per-node=1",
-             f"--rdzv-endpoint=https://{secure_etcd.server.endpoint}", f"--rdzv-id={run_id}",
-             f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", str(script), str(stop)],
-            stdout=out, stderr=subprocess.STDOUT, env=node_env(), cwd=REPO,
-        )  # fmt: skip
-    try:
+    cluster = LocalCluster(
+        tmp_path / "run",
+        run_id,
+        f"https://{secure_etcd.server.endpoint}",
+        options=AgentOptions(nnodes="1", rdzv_conf=conf),
+        env=node_env(),
+        cwd=REPO,
+    )
+    with cluster:
+        agent = cluster.start("agent", worker=[str(script), str(stop)])
         flags = [*tls_flags(secure_etcd), "--run-id", run_id, "--user", "root", "--json"]
 
         def members() -> list[dict[str, object]]:
@@ -140,16 +156,12 @@ def test_members_of_a_real_agent_over_tls(
             rdzv = json.loads(result.stdout)["rendezvous"]
             return rdzv["members"] if rdzv["exists"] and rdzv["complete"] else []
 
-        found = wait_until(members, 180, f"the agent's round (log {log})", every=1.0)
+        found = wait_until(members, 180, f"the agent's round (log {agent.log})", every=1.0)
         assert [(m["pid"], m["state"], m["addr"]) for m in found] == [
             (agent.pid, "rank 0", "127.0.0.1")
         ]
         stop.touch()
-        assert agent.wait(120) == 0, log.read_text()[-3000:]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait(30)
+        assert agent.wait(120) == 0, agent.output()[-3000:]
 
 
 # -- --watch ----------------------------------------------------------------------------------
@@ -158,11 +170,15 @@ def test_members_of_a_real_agent_over_tls(
 def test_watch_reprints_until_ctrl_c(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
     out = tmp_path / "watch.out"
     with open(out, "wb") as f:
+        watch = ["--etcd", etcd.endpoint, "--run-id", run_id, "--watch", "0.2"]
         proc = subprocess.Popen(
-            [PYTHON, "-m", "elastic.tools.cli", "status", "--etcd", etcd.endpoint,
-             "--run-id", run_id, "--watch", "0.2"],
-            stdout=f, stderr=subprocess.PIPE, env=node_env(), cwd=REPO, text=True,
-        )  # fmt: skip
+            [*STATUS, *watch],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            env=node_env(),
+            cwd=REPO,
+            text=True,
+        )
     try:
         wait_until(
             lambda: out.read_text().count(f"run {run_id}") >= 3, 60, "three reports of --watch"
@@ -222,3 +238,140 @@ def test_size_check_by_default_crc_on_request(
     assert "newest complete checkpoint: step 5 (crc check)" in table.stdout
     assert status(*flags, "--verify", "md5").returncode == 2
     assert os.path.getsize(shard) == 4096
+
+
+# -- the single-key state: decoded only with the job's secret ---------------------------------
+
+
+class _Payload:
+    """Unpickling this runs a command: what a forged state would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _state() -> bytes:
+    """A well-formed rendezvous state: one node, rank 0 of a complete round 3."""
+    state = _RendezvousState()
+    state.round = 3
+    node = _NodeDesc("host", 7, 0)
+    state.participants[node] = 0
+    state.last_heartbeats[node] = datetime.now(timezone.utc)
+    state.complete = True
+    return pickle.dumps(state)
+
+
+def _never(*args: object, **kwargs: object) -> NoReturn:
+    raise AssertionError("status unpickled the rendezvous state")
+
+
+@pytest.fixture
+def no_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if anything in status unpickles."""
+    monkeypatch.setattr(status_module, "load_state", _never)
+    monkeypatch.setattr(status_module._StateUnpickler, "load", _never)
+    monkeypatch.setattr(pickle, "loads", _never)
+    monkeypatch.setattr(pickle, "load", _never)
+
+
+def _publish(client: EtcdClient, keys: RunKeys, blob: bytes) -> int:
+    """The state, the commit fence at round 3 and two probe keys; the state's revision."""
+    client.put(keys.fence, b"000000000003")
+    client.put(keys.probes + b"host_7_0", b"4242")
+    client.put(keys.probes + b"other_8_0\x1b[2J", b"4243")  # a terminal code: not printed
+    return int(client.put(keys.state, blob).header.revision)
+
+
+@pytest.mark.usefixtures("no_unpickling")
+def test_without_the_secret_nothing_pickled_is_decoded(
+    client: EtcdClient, run_id: str, tmp_path: Path
+) -> None:
+    keys = RunKeys("/elastic", run_id)
+    marker = tmp_path / "pwned"
+    for blob in (
+        encode_state(_state()),  # well-formed, CRC-framed
+        encode_state(_state(), SECRET),  # signed by the agents
+        encode_state(pickle.dumps(_Payload(marker))),  # forged, with a valid CRC
+    ):
+        revision = _publish(client, keys, blob)
+        shown = rendezvous_status(client, keys)
+        assert shown == {
+            "exists": True,
+            "decoded": False,
+            "key": keys.state.decode(),
+            "bytes": len(blob),
+            "revision": revision,
+            "signed": blob.startswith(b"EV3\x02"),
+            "fence_round": 3,
+            "agents": ["host_7_0", "other_8_0?[2J"],
+            "note": NEEDS_SECRET,
+        }
+        table = format_table(run_id, shown, None)
+        assert f"{len(blob)} bytes at revision {revision}" in table
+        assert "newest completed round: 3" in table
+        assert "agents with a probe port: 2 (host_7_0, other_8_0?[2J)" in table
+        assert "ELASTIC_SECRET_FILE" in table and "\x1b" not in table
+    assert not marker.exists()
+
+
+def test_with_the_secret_only_a_verified_state_is_decoded(
+    client: EtcdClient, run_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = RunKeys("/elastic", run_id)
+    _publish(client, keys, encode_state(_state(), SECRET))
+    shown = rendezvous_status(client, keys, SECRET)
+    assert (shown["round"], shown["world_size"], shown["complete"]) == (3, 1, True)
+    assert [(m["addr"], m["pid"], m["state"]) for m in shown["members"]] == [("host", 7, "rank 0")]
+    assert "decoded" not in shown
+
+    decoded: list[bytes] = []
+    monkeypatch.setattr(status_module, "load_state", decoded.append)
+    marker = tmp_path / "pwned"
+    forged = pickle.dumps(_Payload(marker))
+    for blob, why in (
+        (encode_state(forged), "not signed with this job's secret"),
+        (encode_state(forged, b"another-secret"), "not signed with this job's secret"),
+        (encode_state(forged, SECRET)[:-1] + b"X", "not signed with this job's secret"),
+    ):
+        client.put(keys.state, blob)
+        with pytest.raises(EtcdStateError, match=why):
+            rendezvous_status(client, keys, SECRET)
+    assert decoded == [], "bytes whose signature did not verify were decoded"
+    monkeypatch.undo()
+    client.put(keys.state, encode_state(forged, SECRET))  # signed: still only torch's classes
+    with pytest.raises(EtcdStateError, match="cannot be decoded"):
+        rendezvous_status(client, keys, SECRET)
+    assert not marker.exists()
+
+
+def test_the_command_shows_the_undecoded_parts_and_asks_for_the_secret(
+    etcd: EtcdServer, client: EtcdClient, run_id: str, tmp_path: Path
+) -> None:
+    keys = RunKeys("/elastic", run_id)
+    marker = tmp_path / "pwned"
+    blob = encode_state(pickle.dumps(_Payload(marker)))
+    revision = _publish(client, keys, blob)
+    flags = ["--etcd", etcd.endpoint, "--run-id", run_id]
+    table = status(*flags, ELASTIC_SECRET_FILE="")
+    assert table.returncode == 0, table.stderr
+    assert f"rendezvous state: {len(blob)} bytes at revision {revision}, not signed" in table.stdout
+    assert "agents with a probe port: 2" in table.stdout
+    assert NEEDS_SECRET in table.stdout
+    as_json = status(*flags, "--json", ELASTIC_SECRET_FILE="")
+    assert as_json.returncode == 0, as_json.stderr
+    rdzv = json.loads(as_json.stdout)["rendezvous"]
+    assert (rdzv["decoded"], rdzv["bytes"], rdzv["fence_round"]) == (False, len(blob), 3)
+    assert not marker.exists()
+
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)
+    client.put(keys.state, encode_state(_state(), SECRET))
+    with_secret = status(*flags, ELASTIC_SECRET_FILE=str(secret_file))
+    assert with_secret.returncode == 0, with_secret.stderr
+    assert "round 3  complete=True" in with_secret.stdout
+    assert "host_7_0" in with_secret.stdout and "rank 0" in with_secret.stdout
+    assert NEEDS_SECRET not in with_secret.stdout
