@@ -140,8 +140,12 @@ class RendezvousOptions:
             )
 
     @classmethod
-    def parse(cls, conf: dict[str, Any]) -> RendezvousOptions:
-        """Parse ``--rdzv-conf`` (a dict of strings); raise ``ConfigError`` naming a bad one."""
+    def parse(cls, conf: dict[str, Any], endpoint: str = "") -> RendezvousOptions:
+        """Parse ``--rdzv-conf`` (a dict of strings); raise ``ConfigError`` naming a bad one.
+
+        ``endpoint`` (``--rdzv-endpoint``) says whether a password would travel over TLS
+        when no ``protocol`` is given (``https://``), for the warning when it would not.
+        """
         from elastic.errors import ConfigError
 
         conf = {k: v for k, v in conf.items() if k not in _IGNORED and v is not None}
@@ -172,25 +176,34 @@ class RendezvousOptions:
         elif values.get("user") and password_from_env():
             values["password"] = password_from_env()
         options = cls(**values)
-        if options.password and options.protocol != "https":
+        if options.password and not options.uses_tls(endpoint):
             logger.warning(
-                "The etcd password travels unencrypted (plain http); use "
-                "protocol=https with cacert= for TLS."
+                "The etcd password travels unencrypted (plain http); use an https:// "
+                "endpoint or protocol=https, with cacert= for TLS."
             )
         return options
 
     @classmethod
     def from_params(cls, params: RendezvousParameters) -> RendezvousOptions:
-        return cls.parse(dict(params.config))
+        return cls.parse(dict(params.config), params.endpoint)
+
+    def uses_tls(self, endpoint: str) -> bool:
+        """Whether the client for ``endpoint`` speaks TLS: ``protocol`` if given, else
+        whether the endpoint says ``https://``."""
+        if self.protocol:
+            return self.protocol == "https"
+        from elastic.etcd.client import parse_endpoints
+
+        return parse_endpoints(endpoint or "localhost")[1]
 
     def etcd_options(self, endpoint: str) -> EtcdOptions:
         """Client options for ``--rdzv-endpoint`` with these TLS/auth settings."""
         from elastic.etcd.client import EtcdOptions, parse_endpoints
 
-        endpoints, https = parse_endpoints(endpoint or "localhost")
+        endpoints, _ = parse_endpoints(endpoint or "localhost")
         return EtcdOptions(
             endpoints=endpoints,
-            tls=self.protocol == "https" if self.protocol else https,
+            tls=self.uses_tls(endpoint),
             ca_cert=self.cacert,
             cert=self.cert,
             key=self.key,
