@@ -104,6 +104,7 @@ class Cluster:
         self.dir = tmp / "checkpoints"
         self.dir.mkdir()
         self.etcd_port = free_port()
+        self.dashboard_port = free_port()
         # Fresh secrets per cluster (etcd TLS + passwords, the job secret, S3 keys), as
         # .ci/docker-setup.sh makes them for `docker compose up` by hand.
         self.secrets = tmp / "secrets"
@@ -120,6 +121,7 @@ class Cluster:
             "ELASTIC_IMAGE": images["ELASTIC_AGENT_IMAGE"],
             "ETCD_IMAGE": images["ELASTIC_ETCD_IMAGE"],
             "ELASTIC_ETCD_PORT": str(self.etcd_port),
+            "ELASTIC_DASHBOARD_PORT": str(self.dashboard_port),
             "ELASTIC_CHECKPOINTS": str(self.dir),
             "ELASTIC_ENV_FILE": str(self.env_file),
             "ELASTIC_SECRETS_DIR": str(self.secrets),
@@ -165,6 +167,17 @@ class Cluster:
         except OSError:  # not listening yet
             return None
         return float(result[0]["value"][1]) if result else None
+
+    def dashboard(self, path: str = "api/status") -> Any:
+        """The dashboard service's ``path`` on its published port: JSON for ``api/...``, the
+        text otherwise; None while it does not answer (not up yet)."""
+        url = f"http://127.0.0.1:{self.dashboard_port}/{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                body = reply.read()
+        except OSError:  # refused, reset, or an HTTP error status (HTTPError is an OSError)
+            return None
+        return json.loads(body) if path.startswith("api/") else body.decode()
 
     def etcd_args(self) -> list[str]:
         """``elastic status``'s options to reach this cluster's etcd from the host: TLS with

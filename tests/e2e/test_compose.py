@@ -145,6 +145,28 @@ def prometheus_sees_world(cluster: Cluster, world: int, timeout: float = 60) -> 
     return time.time()
 
 
+def dashboard_sees_world(cluster: Cluster, world: int, step: int, timeout: float = 60) -> None:
+    """The ``dashboard`` service (published on the host) shows the run at world size ``world``
+    (from etcd) with a training step at or past ``step`` (from the shared event log), and
+    serves its page."""
+
+    def shows() -> dict | None:
+        status = cluster.dashboard()
+        if not status or not status["rendezvous"] or not status["step"]:
+            return None
+        seen = status["rendezvous"].get("world_size") == world and status["step"]["step"] >= step
+        return status if seen else None
+
+    status = wait_until(
+        shows, timeout, f"the dashboard to show world size {world} at step {step} or later"
+    )
+    assert status["run_id"] == cluster.run_id and status["errors"] == [], status
+    ranked = [m for m in status["rendezvous"]["members"] if m["state"].startswith("rank ")]
+    assert len(ranked) == world, status["rendezvous"]
+    page = cluster.dashboard("")
+    assert page and f'<span id="run-id">{cluster.run_id}</span>' in page
+
+
 def agent_figures_reach(cluster: Cluster, step: int) -> bool:
     """Prometheus has the agents' recoveries (two at least: the kill and the leave, which the
     last agent saw both), a complete checkpoint, and training step ``step``."""
@@ -220,6 +242,7 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     assert len(cluster.running_agents()) == 3
     after_join = step_at_world(cluster, joined_at, 3)
     prometheus_sees_world(cluster, 3)
+    dashboard_sees_world(cluster, 3, after_join["step"])
     assert after_join["step"] > before
     assert min(e["step"] for e in loads_after(cluster, joined_at)) >= before - 20
     print(f"world 3 at step {after_join['step']}, {time.time() - joined_at:.1f} s after scaling")
@@ -291,6 +314,8 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     assert all(cluster.inspect(c)["State"]["Status"] == "exited" for c in cluster.agents())
     assert (REPO / "docker-compose.yml").exists()
     for container in cluster.agents():  # the whole run's logs, kill and leave included
+        cluster.assert_no_secret_in(container)
+    for container in cluster.compose("ps", "-q", "dashboard").stdout.split():
         cluster.assert_no_secret_in(container)
 
 
