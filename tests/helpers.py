@@ -53,11 +53,14 @@ def node_env(**extra: str) -> dict[str, str]:
     return agent_env(PYTHONPATH=path, **extra)
 
 
-def run_process(argv: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` to its end in this checkout (:func:`node_env`, in ``REPO``), capturing
-    its output."""
+def run_process(
+    argv: Sequence[str], timeout: float = 120, **extra_env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` to its end in this checkout (:func:`node_env` with ``extra_env``, in
+    ``REPO``), capturing its output."""
+    environ = node_env(**extra_env)
     return subprocess.run(
-        list(argv), capture_output=True, text=True, timeout=timeout, env=node_env(), cwd=REPO
+        list(argv), capture_output=True, text=True, timeout=timeout, env=environ, cwd=REPO
     )
 
 
