@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from elastic import env
 from elastic.etcd.server import EtcdServer
 from elastic.tools.cluster import fast_conf
 from tests.agent.jobs import Job
-from tests.helpers import FAST_CONF, PYTHON, REPO, node_env, wait_until
+from tests.helpers import (
+    FAST_CONF,
+    PYTHON,
+    agent_argv,
+    local_cluster,
+    run_node,
+    run_process,
+    wait_until,
+)
 
 
-def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PYTHON, *argv], capture_output=True, text=True, timeout=timeout, env=node_env(), cwd=REPO
-    )
+def run(*argv: str, timeout: float = 120, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    return run_process([PYTHON, *argv], timeout, **extra_env)
 
 
 @pytest.mark.parametrize(
@@ -33,16 +41,8 @@ def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 def test_bad_worker_config_is_one_line_before_any_rendezvous(
     worker_args: list[str], needle: str
 ) -> None:
-    result = run(
-        "-m",
-        "agents.launch",
-        "--nnodes=1",
-        "--rdzv-endpoint=127.0.0.1:1",
-        "--rdzv-id=x",
-        "-m",
-        "elastic.training.worker",
-        *worker_args,
-    )
+    worker = ["-m", "elastic.training.worker", *worker_args]
+    result = run_process(agent_argv(worker, nnodes="1", rdzv_conf=""))
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("elastic-agent")]
     assert len(lines) == 1 and needle in lines[0], result.stderr
@@ -71,18 +71,10 @@ def test_a_users_own_ddp_script_runs_unchanged(
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
-    result = run(
-        "-m",
-        "agents.launch",
-        "--nnodes=1",
-        "--nproc-per-node=2",
-        f"--rdzv-endpoint={etcd.endpoint}",
-        f"--rdzv-id={run_id}",
-        f"--rdzv-conf={FAST_CONF}",
-        str(script),
-        str(tmp_path),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    options = {"nnodes": "1", "nproc": 2, "rdzv_conf": FAST_CONF}
+    with local_cluster(tmp_path / "run", etcd.endpoint, run_id, **options) as cluster:
+        code, output = run_node(cluster, [str(script), str(tmp_path)], 120)
+    assert code == 0, output[-3000:]
     outputs = {(tmp_path / f"rank{r}").read_text() for r in range(2)}
     assert len(outputs) == 1 and next(iter(outputs)).startswith("2 ")
 
@@ -92,6 +84,14 @@ def test_a_users_own_ddp_script_runs_unchanged(
 def test_status_reports_members_round_and_checkpoint(job: Job, algorithm: str) -> None:
     conf = f"{fast_conf(job.options.join_timeout)},algorithm={algorithm}"
     job.options = dataclasses.replace(job.options, rdzv_conf=conf)
+    # The job's secret: the agents sign the rendezvous state with it, and status decodes
+    # the (pickled) single-key state only with it.
+    secret = job.tmp / "secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    with_secret = {env.SECRET_FILE: str(secret)}
+    assert job.env is not None
+    job.env.update(with_secret)
     nodes = [job.start(n) for n in "ab"]
     wait_until(lambda: any(e["step"] >= 6 for e in job.steps()), 120, "step 6")
     result = run(
@@ -105,6 +105,7 @@ def test_status_reports_members_round_and_checkpoint(job: Job, algorithm: str) -
         "--checkpoint-url",
         str(job.tmp / "ckpt"),
         "--json",
+        **with_secret,
     )
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
@@ -121,7 +122,8 @@ def test_status_reports_members_round_and_checkpoint(job: Job, algorithm: str) -
         commits = client.range(RunKeys("/elastic", job.run_id).root + b"commits/", prefix=True)
     committed = {kv.key.decode().rsplit("-", 1)[1] for kv in commits.kvs}
     assert str(newest) in committed, "every commit passes the round fence in etcd"
-    table = run("-m", "elastic.tools.cli", "status", "--etcd", job.endpoint, "--run-id", job.run_id)
+    status_argv = ["-m", "elastic.tools.cli", "status", "--etcd", job.endpoint]
+    table = run(*status_argv, "--run-id", job.run_id, **with_secret)
     assert f"run {job.run_id}" in table.stdout and "world size 2" in table.stdout
     for node in nodes:
         node.kill()
