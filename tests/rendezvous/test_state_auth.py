@@ -62,12 +62,17 @@ def test_status_never_runs_code_from_etcd(client: EtcdClient, run_id: str, tmp_p
     state.participants[node] = 0
     state.last_heartbeats[node] = datetime.now(timezone.utc)
     state.complete = True
-    client.put(keys.state, encode_state(pickle.dumps(state)))
-    shown = rendezvous_status(client, keys)
+    client.put(keys.state, encode_state(pickle.dumps(state), SECRET))
+    shown = rendezvous_status(client, keys, SECRET)
     assert shown["world_size"] == 1 and shown["members"][0]["node"] == str(node)
+    assert rendezvous_status(client, keys)["decoded"] is False, "decoded without the secret"
 
     marker = tmp_path / "pwned"
     client.put(keys.state, encode_state(pickle.dumps(_Payload(marker))))  # a valid CRC
+    assert rendezvous_status(client, keys)["decoded"] is False
+    with pytest.raises(EtcdStateError, match="not signed with this job's secret"):
+        rendezvous_status(client, keys, SECRET)
+    client.put(keys.state, encode_state(pickle.dumps(_Payload(marker)), SECRET))
     with pytest.raises(EtcdStateError, match="cannot be decoded"):
-        rendezvous_status(client, keys)
+        rendezvous_status(client, keys, SECRET)
     assert not marker.exists(), "status unpickled a forged state"
