@@ -43,11 +43,17 @@ def find_etcd() -> str:
     )
 
 
-def free_port() -> int:
-    """A port the OS just handed out (a race is possible: callers retry on conflict)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS just handed out on ``host`` (a race is possible: callers retry
+    on conflict).
+
+    The default is loopback, where the tests' and the demo's etcd listen; ``""`` asks
+    for a port that is free on every interface (the announce rendezvous's bootstrap
+    port, which other nodes connect to).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -96,6 +96,7 @@ from elastic import env, events
 from elastic.errors import EtcdConnectionError
 from elastic.etcd import client as etcd_client
 from elastic.etcd.client import EtcdClient, compare_absent, compare_mod, op_get, op_put
+from elastic.etcd.server import free_port
 from elastic.rendezvous.fence import FenceSpec, _compare_less, _round_bytes, high_key
 from elastic.rendezvous.handler import ChangeKind, MembershipChange
 from elastic.rendezvous.keys import RunKeys
@@ -169,12 +170,6 @@ def decode_round(value: bytes) -> dict[str, Any]:
         logger.warning("The round key holds no JSON; treating it as no round yet.")
         return {}
     return doc if isinstance(doc, dict) else {}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def _range_op(key: bytes, **kwargs: Any) -> Any:
@@ -550,7 +545,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
                 "pid": os.getpid(),
                 "local_id": self._local_id,
                 "probe": listener.port,
-                "port": _free_port(),
+                "port": free_port(""),
                 "after": after,
                 "local_world_size": self._local_world_size,
             }
