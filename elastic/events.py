@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -129,4 +129,91 @@ def completed_steps(log: Iterable[Mapping[str, Any]]) -> set[int]:
     }
 
 
-__all__ = ["KINDS", "completed_steps", "emit", "read"]
+class Tail:
+    """The events appended to a JSON-lines log since the last :meth:`read`.
+
+    Each :meth:`read` costs one ``stat`` and one ``read`` of the new bytes, so a log of
+    megabytes can be polled often. It returns whole events only: a torn last line waits
+    for its end, and lines that are not JSON objects are skipped. A file that does not
+    exist yet reads as no events; one that was truncated or replaced (a smaller size or
+    another inode) is read again from its start, and :attr:`restarted` says so.
+
+    Args:
+        path: the event log.
+        kinds: only events of these kinds (None: all); lines that do not even contain
+            one of these names are not parsed.
+        skip: events of these kinds are left out.
+        max_backlog: when more bytes than this are unread, skip to the newest ones (the
+            first line read after the jump, probably the tail of a line, is dropped);
+            None reads everything.
+        max_partial: a line that grew longer than this without a newline is dropped;
+            None keeps it however long it gets.
+
+    Errors other than a missing file (the path is a directory, say) reach the caller.
+    Not thread-safe: callers that share one lock it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        kinds: Collection[str] | None = None,
+        skip: Collection[str] = (),
+        max_backlog: int | None = None,
+        max_partial: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.kinds = frozenset(kinds) if kinds is not None else None
+        self.skip = frozenset(skip)
+        self.max_backlog = max_backlog
+        self.max_partial = max_partial
+        self.restarted = False  # the last read started the file over
+        self._wanted = tuple(kind.encode() for kind in self.kinds or ())
+        self._inode: int | None = None
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        """Return the whole events appended since the last call."""
+        self.restarted = False
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return []
+        if st.st_ino != self._inode or st.st_size < self._offset:
+            self.restarted = self._inode is not None
+            self._inode, self._offset, self._partial = st.st_ino, 0, b""
+        if st.st_size == self._offset:
+            return []
+        start, skipped = self._offset, False
+        if self.max_backlog is not None and st.st_size - start > self.max_backlog:
+            start, skipped, self._partial = st.st_size - self.max_backlog, True, b""
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            data = f.read(st.st_size - start)
+        self._offset = start + len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if self.max_partial is not None and len(self._partial) > self.max_partial:
+            self._partial = b""
+        if skipped and lines:
+            lines = lines[1:]  # the first one is probably the tail of a line
+        return [event for event in map(self._parse, lines) if event is not None]
+
+    def _parse(self, line: bytes) -> dict[str, Any] | None:
+        if self._wanted and not any(kind in line for kind in self._wanted):
+            return None
+        try:
+            event = json.loads(line)
+        except ValueError:  # a torn or foreign line
+            return None
+        if not isinstance(event, dict):
+            return None
+        kind = event.get("kind")
+        name = kind if isinstance(kind, str) else None  # a list would not hash
+        if (self.kinds is not None and name not in self.kinds) or name in self.skip:
+            return None
+        return event
+
+
+__all__ = ["KINDS", "Tail", "completed_steps", "emit", "read"]

@@ -47,7 +47,6 @@ and ignored; the metric concerned is then left out or stale.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -55,7 +54,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from elastic import env
+from elastic.events import Tail
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ MAX_NOTES = 1000  # the agent's notes kept for the next scrape (the oldest go fi
 RECOVERY_BUCKETS = (1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _KINDS = ("train.step", "ckpt.save", "worker.restart")
-_WANTED = tuple(kind.encode() for kind in _KINDS)  # cheap filter before json.loads
 _WATCH_OPS = {"wait_for_event"}
 _ROUND = "round"  # the agent's note of a completed round (other notes name a change)
 
@@ -98,55 +97,20 @@ def _warn_once(where: str, exc: BaseException) -> None:
 
 
 class EventTailer:
-    """The new events of a JSON-lines file, from one ``stat`` and one ``read`` per poll.
+    """The new events of the kinds this exporter uses (:data:`_KINDS`), from one ``stat``
+    and one ``read`` per poll (:class:`elastic.events.Tail`).
 
     Starts at the beginning of the file (the newest checkpoint may be in its history),
     follows it when it is replaced or truncated, and when more than ``max_backlog``
-    bytes are unread skips to the newest ones. Returns only the events of :data:`_KINDS`.
+    bytes are unread skips to the newest ones.
     """
 
     def __init__(self, path: str | os.PathLike[str], max_backlog: int = MAX_BACKLOG) -> None:
         self.path = os.fspath(path)
-        self.max_backlog = max_backlog
-        self._inode: int | None = None
-        self._offset = 0
-        self._partial = b""
+        self._tail = Tail(path, kinds=_KINDS, max_backlog=max_backlog, max_partial=MAX_PARTIAL)
 
     def poll(self) -> list[dict[str, Any]]:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return []
-        if st.st_ino != self._inode or st.st_size < self._offset:
-            self._inode, self._offset, self._partial = st.st_ino, 0, b""
-        if st.st_size == self._offset:
-            return []
-        start, skipped = self._offset, False
-        if st.st_size - start > self.max_backlog:
-            start, skipped, self._partial = st.st_size - self.max_backlog, True, b""
-        with open(self.path, "rb") as f:
-            f.seek(start)
-            data = f.read(st.st_size - start)
-        self._offset = start + len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        if len(self._partial) > MAX_PARTIAL:
-            self._partial = b""
-        if skipped and lines:
-            lines = lines[1:]  # the first one is probably the tail of a line
-        return list(_parse(lines))
-
-
-def _parse(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        if not any(kind in line for kind in _WANTED):
-            continue
-        try:
-            event = json.loads(line)
-        except ValueError:  # a torn or foreign line
-            continue
-        if isinstance(event, dict) and event.get("kind") in _KINDS:
-            yield event
+        return self._tail.read()
 
 
 @dataclass

@@ -89,3 +89,55 @@ def test_completed_steps_counts_a_step_only_a_resume_shows() -> None:
         {"kind": "train.step", "step": "6"},  # not a step number: ignored
     ]
     assert events.completed_steps(log) == {1, 2, 3, 4}
+
+
+def _kinds(read: list[dict[str, object]]) -> list[object]:
+    return [e.get("kind") for e in read]
+
+
+def test_tail_returns_each_whole_event_once_and_follows_a_new_or_truncated_file(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "events.jsonl"
+    tail = events.Tail(log, skip={"train.samples"})
+    assert tail.read() == [] and not tail.restarted, "no file yet: no events"
+    log.write_bytes(b'{"kind": "a", "ts": 1}\n{"kind": "b", "ts"')
+    assert _kinds(tail.read()) == ["a"], "the torn last line waits for its end"
+    assert tail.read() == [], "nothing new"
+    with open(log, "ab") as f:
+        f.write(b': 2}\nnot json\n[1, 2]\n{"kind": "train.samples"}\n{"kind": ["x"]}\n')
+    assert _kinds(tail.read()) == ["b", ["x"]], "foreign lines and skipped kinds are left out"
+    assert not tail.restarted
+
+    log.write_bytes(b'{"kind": "c"}\n')  # truncated and rewritten: shorter than before
+    assert _kinds(tail.read()) == ["c"] and tail.restarted
+    assert tail.read() == [] and not tail.restarted
+
+    other = tmp_path / "other.jsonl"  # replaced by a longer file: another inode
+    other.write_bytes(b'{"kind": "d"}\n' * 10)
+    other.replace(log)
+    assert _kinds(tail.read()) == ["d"] * 10 and tail.restarted
+
+
+def test_tail_filters_kinds_and_bounds_its_backlog_and_a_line_without_end(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "events.jsonl"
+    with open(log, "wb") as f:
+        for step in range(100):
+            f.write(b'{"kind": "train.step", "step": %d, "pad": "%s"}\n' % (step, b"x" * 100))
+            f.write(b'{"kind": "rdzv.round", "round": %d}\n' % step)
+    tail = events.Tail(log, kinds={"train.step"}, max_backlog=4096, max_partial=64)
+    steps = [e["step"] for e in tail.read()]
+    assert steps[-1] == 99 and 10 < len(steps) < 40, "a backlog is skipped to its newest lines"
+    assert all(e["kind"] == "train.step" for e in events.Tail(log, kinds={"train.step"}).read())
+
+    with open(log, "ab") as f:
+        f.write(b'{"kind": "train.step", "step": 100, "pad": "' + b"y" * 100)
+    assert tail.read() == []
+    with open(log, "ab") as f:
+        f.write(b'"}\n{"kind": "train.step", "step": 101}\n')
+    assert [e["step"] for e in tail.read()] == [101], "a line longer than max_partial is dropped"
+
+    unbounded = [e.get("step") for e in events.Tail(log).read()]
+    assert len(unbounded) == 202 and unbounded[-2:] == [100, 101], "no bounds: every event"

@@ -29,6 +29,7 @@ from typing import Any
 
 from elastic.errors import ElasticError
 from elastic.etcd.client import EtcdClient, EtcdOptions
+from elastic.events import Tail
 from elastic.rendezvous.keys import RunKeys
 from elastic.tools.status import checkpoint_status, rendezvous_status
 
@@ -43,48 +44,30 @@ TIMELINE_SIZE = (11.0, 6.0)  # inches at 100 dpi: below the cards in a 900-pixel
 
 
 class EventTail:
-    """The events of a JSON-lines log, read incrementally (only what was appended since the
-    last call; a torn last line waits for its end; a truncated file is read again), less the
-    kinds in ``skip``."""
+    """Every event of a JSON-lines log so far, less the kinds in ``skip``, kept up to date
+    by :class:`elastic.events.Tail` (only what was appended since the last call is read; a
+    torn last line waits for its end; a truncated or replaced file is read again)."""
 
     def __init__(self, path: Path | None, skip: frozenset[str] = SKIPPED_KINDS) -> None:
         self.path = path
         self.skip = skip
         self.events: list[dict[str, Any]] = []
-        self._offset = 0
-        self._partial = b""
+        self._tail = Tail(path, skip=skip) if path is not None else None
         self._lock = threading.Lock()
 
     def poll(self) -> list[dict[str, Any]]:
         """Read what is new; return every event so far (a copy)."""
         with self._lock:
-            if self.path is not None:
-                self._read()
+            if self._tail is not None:
+                try:
+                    new = self._tail.read()
+                except OSError as exc:
+                    logger.debug("Cannot read the event log %s: %s", self.path, exc)
+                else:
+                    if self._tail.restarted:
+                        self.events = []
+                    self.events.extend(new)
             return list(self.events)
-
-    def _read(self) -> None:
-        assert self.path is not None
-        try:
-            size = self.path.stat().st_size
-        except OSError:
-            return
-        if size < self._offset:  # rewritten from scratch
-            self.events, self._offset, self._partial = [], 0, b""
-        if size == self._offset:
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read(size - self._offset)
-        self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and event.get("kind") not in self.skip:
-                self.events.append(event)
 
 
 def _latest(events: list[dict[str, Any]], kind: str, ok: Callable[[dict[str, Any]], bool]) -> Any:
