@@ -26,6 +26,7 @@ Usage: ``python bench/checkpoint.py [--models resnet18 resnet50] [--repeats 5]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -46,7 +47,18 @@ import torch.distributed.checkpoint as dcp
 import torchvision
 from torch.distributed.checkpoint import FileSystemWriter
 
-REPO = Path(__file__).resolve().parents[1]
+
+@functools.cache
+def _repo() -> Path:
+    """This checkout (:data:`elastic.tools.cluster.REPO`). Imported on first use, by the
+    parent only: a worker (``--worker``) must import the ``elastic`` package its
+    ``PYTHONPATH`` names, which may be a baseline's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
+    from elastic.tools.cluster import REPO
+
+    if REPO is None:  # not expected: sys.path starts with this checkout
+        raise SystemExit("bench/checkpoint.py runs from a source checkout of elastic.")
+    return REPO
 
 
 def _state(name: str) -> dict[str, Any]:
@@ -225,7 +237,7 @@ def bench_model(
         getattr(response, "upload_completion", response).result()
         return ms
 
-    workers = {"ours": _Worker("ours", name, root, str(REPO))}
+    workers = {"ours": _Worker("ours", name, root, str(_repo()))}
     if baseline is not None:
         workers["baseline"] = _Worker("baseline", name, root, baseline)
     times: dict[str, list[float]] = {
@@ -267,7 +279,7 @@ def _export(rev: str, into: Path) -> str:
     """Unpack the ``elastic`` package of git revision ``rev`` under ``into``."""
     archive = subprocess.run(
         ["git", "archive", "--format=tar", rev, "elastic"],
-        cwd=REPO,
+        cwd=_repo(),
         capture_output=True,
         check=True,
     ).stdout
@@ -282,7 +294,7 @@ def _export(rev: str, into: Path) -> str:
 
 
 def _git(*args: str) -> str:
-    out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False)
+    out = subprocess.run(["git", *args], cwd=_repo(), capture_output=True, text=True, check=False)
     return out.stdout.strip()
 
 

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 IMPL_VAR = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 IMPLS = ("upb", "python")
 
@@ -68,11 +67,13 @@ def child(endpoint: str, impl: str, requests: int, warmup: int, value_bytes: int
 
 
 def run_child(endpoint: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
+    from elastic.tools.cluster import pythonpath
+
     environ = dict(os.environ)
     environ.pop(IMPL_VAR, None)
     if impl == "python":
         environ[IMPL_VAR] = "python"
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
+    environ["PYTHONPATH"] = pythonpath(environ)
     argv = [sys.executable, __file__, "--child", endpoint, "--impl", impl]
     argv += ["--requests", str(args.requests), "--warmup", str(args.warmup)]
     argv += ["--value-bytes", str(args.value_bytes)]
@@ -105,7 +106,7 @@ def main() -> None:
         child(args.child, args.impl, args.requests, args.warmup, args.value_bytes)
         return
 
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
     from elastic.etcd.server import start_etcd
 
     runs: list[dict[str, Any]] = []

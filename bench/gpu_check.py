@@ -32,13 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
-import torch  # noqa: E402
+import torch
 
-from elastic.tools.cluster import AgentOptions, LocalCluster, provenance  # noqa: E402
+from elastic.tools.cluster import REPO, AgentOptions, LocalCluster, provenance
 
+if REPO is None:  # not expected: sys.path starts with this checkout
+    raise SystemExit("bench/gpu_check.py runs from a source checkout of elastic.")
 CONFIG = REPO / "configs" / "default.yaml"
 
 
@@ -178,7 +179,7 @@ def main() -> int:
     gpus = torch.cuda.device_count() if cuda else 2
     backend = "nccl" if cuda else "gloo"
     result: dict[str, Any] = {
-        "provenance": provenance(REPO),
+        "provenance": provenance(),
         "backend": backend,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "gpus": gpus if cuda else 0,

@@ -77,12 +77,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
-from elastic.rendezvous.options import FAST_FAILOVER_CONF  # noqa: E402
-from elastic.tools.cluster import (  # noqa: E402
+from elastic.rendezvous.options import FAST_FAILOVER_CONF
+from elastic.tools.cluster import (
     C10D,
+    REPO,
     SCENARIO,
     AgentOptions,
     LocalCluster,
@@ -91,8 +91,13 @@ from elastic.tools.cluster import (  # noqa: E402
     measure,
     membership_scenario,
     provenance,
+    pythonpath,
     start_pair,
 )
+
+if REPO is None:  # not expected: sys.path starts with this checkout
+    raise SystemExit("bench/recovery.py runs from a source checkout of elastic.")
+TINY = REPO / "configs" / "tiny.yaml"
 
 MIN_STEP_S = 0.25
 CKPT_INTERVAL = 5
@@ -113,19 +118,18 @@ def make_cluster(name: str, run_dir: Path) -> LocalCluster:
     """A cluster of launcher ``name`` in ``run_dir`` (ours: with its own etcd)."""
     options = LAUNCHERS[name]
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if options.backend == C10D else {}
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return LocalCluster(
         run_dir,
         f"bench-{uuid.uuid4().hex[:8]}",
         options=options,
-        config=REPO / "configs" / "tiny.yaml",
+        config=TINY,
         max_steps=MAX_STEPS,
         overrides={
             "job.log_every": 1,
             "job.min_step_s": MIN_STEP_S,
             "checkpoint.interval": CKPT_INTERVAL,
         },
-        env=agent_env(LOGLEVEL="INFO", PYTHONPATH=path, **extra),
+        env=agent_env(LOGLEVEL="INFO", PYTHONPATH=pythonpath(), **extra),
         cwd=REPO,
     )
 
@@ -366,7 +370,7 @@ def report(
 
     summary = summarize(results, backends)
     return {
-        **provenance(REPO),
+        **provenance(),
         "torch": torch.__version__,
         "scenario": {
             "nodes": SCENARIO,

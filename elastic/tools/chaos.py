@@ -38,19 +38,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_configs import config_path
+
 from elastic import env, events
 from elastic.checkpoint.layout import COMMIT_MARKER, inspect_step, marker_digest
 from elastic.errors import ElasticError
 from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
 from elastic.procs import WORKER_NAME, alive, descendants, kill
 from elastic.procs import name as proc_name
-from elastic.tools.cluster import AgentOptions, LocalCluster, Node, agent_env, provenance
+from elastic.tools.cluster import (
+    AgentOptions,
+    LocalCluster,
+    Node,
+    agent_env,
+    provenance,
+    pythonpath,
+)
 from elastic.tools.faults import Net
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = config_path("tiny")  # shipped as package data: found from a wheel install too
 PREFIX = "/elastic"
 # A small learning rate keeps float-summation differences between world sizes from growing
 # chaotically (measured: 1.2e-7 after 100 steps at lr 0.005, 9e-3 at tiny.yaml's 0.05).
@@ -144,29 +152,21 @@ def sample_problems(kept: Mapping[int, list[int]], steps_per_epoch: int, batch: 
 
 
 class EventTail:
-    """The event log read from where the last read stopped (the log grows to megabytes)."""
+    """The event log by kind, read from where the last read stopped (the log grows to
+    megabytes) through :class:`elastic.events.Tail`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._offset = 0
+        self._tail = events.Tail(path)
         self._lock = threading.Lock()
         self.by_kind: dict[str, list[dict[str, Any]]] = {}
 
     def poll(self) -> None:
         with self._lock:
-            try:
-                with open(self.path, "rb") as f:
-                    f.seek(self._offset)
-                    data = f.read()
-            except FileNotFoundError:
-                return
-            end = data.rfind(b"\n") + 1
-            self._offset += end
-            for line in data[:end].splitlines():
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
+            new = self._tail.read()
+            if self._tail.restarted:
+                self.by_kind = {}
+            for event in new:
                 self.by_kind.setdefault(event.get("kind", ""), []).append(event)
 
     def of(self, kind: str) -> list[dict[str, Any]]:
@@ -515,8 +515,7 @@ class Chaos:
         return ",".join(m.endpoint for m in self.members)
 
     def environ(self) -> dict[str, str]:
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
-        return agent_env(PYTHONPATH=path, **{env.SECRET_FILE: str(self.secret_file)})
+        return agent_env(PYTHONPATH=pythonpath(), **{env.SECRET_FILE: str(self.secret_file)})
 
     def new_name(self) -> str:
         self._names += 1
@@ -1006,7 +1005,7 @@ class Chaos:
         ]
         log = self.run_dir / "reference-events.jsonl"
         environ = {**self.environ(), env.EVENT_LOG: str(log)}
-        subprocess.run(argv, env=environ, cwd=REPO, check=True, capture_output=True, timeout=1800)
+        subprocess.run(argv, env=environ, check=True, capture_output=True, timeout=1800)
         self.reference_losses = {e["step"]: e["loss"] for e in events.read(log, "train.step")}
         return self.final_model(url)
 
@@ -1242,7 +1241,7 @@ class Chaos:
             "ok": all(c["ok"] for c in invariants),
             "fault_log": [f.as_dict() for f in self.faults],
             "stale_writers": self.stale_results,
-            "provenance": provenance(REPO),
+            "provenance": provenance(),
         }
 
 

@@ -44,6 +44,26 @@ C10D = "c10d"
 SCENARIO = "n1+n2 train; n3 joins (->3); n2 SIGTERM (->2); n3 kill -9 (->1)"
 
 
+def _source_checkout() -> Path | None:
+    """The source checkout these packages run from (the directory holding ``elastic/`` has
+    ``pyproject.toml``: the tests, the bench scripts, an editable install); None when they
+    run from an installed wheel."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+# The one definition of the checkout root, which the bench scripts import too.
+REPO: Path | None = _source_checkout()
+
+
+def pythonpath(environ: Mapping[str, str] | None = None) -> str:
+    """``PYTHONPATH`` for a child process that must import the packages this process runs:
+    :data:`REPO` first when they run from a source checkout (whatever the child's working
+    directory), then ``environ``'s own (default: this process's)."""
+    inherited = (os.environ if environ is None else environ).get("PYTHONPATH", "")
+    return os.pathsep.join(filter(None, [str(REPO) if REPO else "", inherited]))
+
+
 class WaitTimeout(ElasticError):
     """Represents a state a driver waited for that never came: the deadline passed, or
     every agent exited first."""
@@ -71,11 +91,14 @@ def agent_env(**extra: str) -> dict[str, str]:
 
 
 def provenance(repo: Path | None = None) -> dict[str, Any]:
-    """What a results file records about its run: the git commit of ``repo`` (``dirty``
-    when tracked files had changes) and the UTC time."""
-    where = repo or Path(__file__).resolve().parents[2]
+    """What a results file records about its run: the git commit of ``repo`` (default:
+    :data:`REPO`; ``dirty`` when tracked files had changes) and the UTC time. The commit
+    is ``unknown`` outside a git checkout (an installed wheel)."""
+    where = repo or REPO
 
     def git(*args: str) -> str:
+        if where is None:
+            return ""
         try:
             out = subprocess.run(
                 ["git", *args], cwd=where, capture_output=True, text=True, timeout=30
@@ -573,6 +596,7 @@ def membership_scenario(
 __all__ = [
     "C10D",
     "ETCD_V3",
+    "REPO",
     "SCENARIO",
     "AgentOptions",
     "LocalCluster",
@@ -583,5 +607,6 @@ __all__ = [
     "measure",
     "membership_scenario",
     "provenance",
+    "pythonpath",
     "start_pair",
 ]
