@@ -11,7 +11,7 @@ import pytest
 
 from elastic.etcd.server import EtcdServer, free_port, start_cluster
 from elastic.rendezvous.options import ALGORITHMS
-from tests.helpers import REPO, node_env, wait_until
+from tests.helpers import agent_argv, run_process, wait_until
 from tests.rendezvous.nodes import WORKER, Cluster, per_algorithm
 
 pytestmark = pytest.mark.slow
@@ -82,31 +82,16 @@ def test_training_rides_out_an_etcd_outage_longer_than_the_request_timeout(
         assert node.wait(90) == 0, cluster.logs()
 
 
-def agent(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(Path(REPO) / ".venv" / "bin" / "elastic-agent"), *args]
-        if (Path(REPO) / ".venv" / "bin" / "elastic-agent").exists()
-        else ["python", "-m", "agents.launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=node_env(),
-        cwd=REPO,
-    )
+def agent(worker: list[str], **options: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``elastic-agent`` console script (:func:`agent_argv`) to its end."""
+    return run_process(agent_argv(worker, console_script=True, **options))
 
 
 def test_unreachable_etcd_is_one_clear_line(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
-    result = agent(
-        "--nnodes=1",
-        f"--rdzv-endpoint={endpoint}",
-        "--rdzv-id=x",
-        "--rdzv-conf=join_timeout=600",
-        str(WORKER),
-        str(tmp_path / "r"),
-        str(tmp_path / "s"),
-    )
+    worker = [str(WORKER), str(tmp_path / "r"), str(tmp_path / "s")]
+    result = agent(worker, endpoint=endpoint, nnodes="1", rdzv_conf="join_timeout=600")
     assert result.returncode == 1
     assert time.monotonic() - started < 60, "must fail long before the join timeout"
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
@@ -115,17 +100,15 @@ def test_unreachable_etcd_is_one_clear_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "needle"),
+    ("options", "needle"),
     [
-        (["--nnodes=3:1"], "min_nodes must be > 0 and <= max_nodes"),
-        (["--rdzv-conf=keep_alive_interval=1,keep_alive_max_attempt=2"], "split brain"),
-        (["--rdzv-endpoint=ftp://x:1"], "is malformed"),
+        ({"nnodes": "3:1"}, "min_nodes must be > 0 and <= max_nodes"),
+        ({"rdzv_conf": "keep_alive_interval=1,keep_alive_max_attempt=2"}, "split brain"),
+        ({"endpoint": "ftp://x:1"}, "is malformed"),
     ],
 )
-def test_bad_options_are_one_line_with_exit_2(args: list[str], needle: str) -> None:
-    base = ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=x"]
-    merged = {a.split("=", 1)[0]: a for a in base + args}
-    result = agent(*merged.values(), str(WORKER), "r", "s")
+def test_bad_options_are_one_line_with_exit_2(options: dict[str, str], needle: str) -> None:
+    result = agent([str(WORKER), "r", "s"], **{"nnodes": "1", "rdzv_conf": "", **options})
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
     assert "Traceback" not in result.stderr
