@@ -137,7 +137,13 @@ print(json.dumps({"elastic": elastic.__file__, "agents": agents.__file__,
 
 
 def test_console_scripts_run(venv: Path, tmp_path: Path, clean_env: dict[str, str]) -> None:
-    assert "status" in _run([str(venv / "bin" / "elastic"), "--help"], tmp_path, clean_env)
+    elastic = str(venv / "bin" / "elastic")
+    assert "status" in _run([elastic, "--help"], tmp_path, clean_env)
+    # The subcommands' own options parse from the wheel (--help runs nothing).
+    demo = _run([elastic, "demo", "--help"], tmp_path, clean_env)
+    assert "--quick" in demo and "--dashboard-port" in demo, demo
+    dashboard = _run([elastic, "dashboard", "--help"], tmp_path, clean_env)
+    assert "--event-log" in dashboard and "--port" in dashboard, dashboard
     assert "--rdzv-conf" in _run(
         [str(venv / "bin" / "elastic-agent"), "--help"], tmp_path, clean_env
     )

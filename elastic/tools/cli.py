@@ -55,7 +55,25 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a local elastic run on an embedded etcd")
     demo.add_argument("--run-id", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     demo.add_argument("--runs-dir", type=Path, default=Path("runs"))
-    demo.add_argument("--config", type=Path, default=None, help="default: the shipped default.yaml")
+    demo.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="default: the shipped default.yaml (tiny.yaml with --quick)",
+    )
+    demo.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small CNN (tiny.yaml), paced, for a shorter scenario (about 1.5 minutes)",
+    )
+    demo.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=8080,
+        help="serve the live dashboard on this port of 127.0.0.1 while the demo runs (a free "
+        "port when it is taken; 0: any free port); default %(default)s",
+    )
+    demo.add_argument("--no-dashboard", action="store_true", help="do not serve the dashboard")
 
     status = sub.add_parser(
         "status", help="a run's rendezvous and newest checkpoint", allow_abbrev=False
@@ -125,6 +143,21 @@ def _options(args: argparse.Namespace, request_timeout: float | None = None) -> 
         user=args.user,
         password_file=args.password_file,
         request_timeout=request_timeout,
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from elastic_configs import config_path
+
+    from elastic.tools.demo import FULL, QUICK, run_demo
+
+    config = args.config or config_path("tiny" if args.quick else "default")
+    return run_demo(
+        args.runs_dir,
+        args.run_id,
+        config,
+        pace=QUICK if args.quick else FULL,
+        dashboard_port=None if args.no_dashboard else args.dashboard_port,
     )
 
 
@@ -216,11 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         if args.command == "demo":
-            from elastic_configs import config_path
-
-            from elastic.tools.demo import run_demo
-
-            return run_demo(args.runs_dir, args.run_id, args.config or config_path("default"))
+            return _demo(args)
         if args.command == "timeline":
             return _timeline(args)
         if args.command == "dashboard":
