@@ -127,8 +127,10 @@ def assert_one_round(infos: dict[str, RendezvousInfo], handlers: list[Any]) -> N
     assert sorted(i.rank for i in infos.values()) == list(range(world))
     assert {i.world_size for i in infos.values()} == {world}
     assert len({round_of(h) for h in handlers}) == 1
-    masters = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
-               for i in infos.values()}  # fmt: skip
+    masters = {
+        (i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port)
+        for i in infos.values()
+    }
     assert len(masters) == 1
 
 

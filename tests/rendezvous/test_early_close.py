@@ -196,10 +196,17 @@ def handler(
     etcd: EtcdServer, run_id: str, last_call_s: float = LAST_CALL_S, max_nodes: int = 3
 ) -> EtcdRendezvousHandler:
     params = RendezvousParameters(
-        "etcd-v3", etcd.endpoint, run_id, 1, max_nodes, local_addr="127.0.0.1",
-        profile=FAST_FAILOVER, join_timeout="60", last_call_timeout=str(last_call_s),
+        "etcd-v3",
+        etcd.endpoint,
+        run_id,
+        1,
+        max_nodes,
+        local_addr="127.0.0.1",
+        profile=FAST_FAILOVER,
+        join_timeout="60",
+        last_call_timeout=str(last_call_s),
         algorithm="single-key",
-    )  # fmt: skip
+    )
     made = create_rdzv_handler(params)
     assert isinstance(made, EtcdRendezvousHandler)
     return made

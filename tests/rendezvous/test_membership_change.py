@@ -20,10 +20,16 @@ from tests.helpers import wait_until
 def handler(etcd: EtcdServer, run_id: str, nodes: str = "2:3") -> EtcdRendezvousHandler:
     low, _, high = nodes.partition(":")
     params = RendezvousParameters(
-        "etcd-v3", etcd.endpoint, run_id, int(low), int(high or low),
-        local_addr=f"node-{uuid.uuid4().hex[:6]}", profile=FAST_FAILOVER, join_timeout="60",
+        "etcd-v3",
+        etcd.endpoint,
+        run_id,
+        int(low),
+        int(high or low),
+        local_addr=f"node-{uuid.uuid4().hex[:6]}",
+        profile=FAST_FAILOVER,
+        join_timeout="60",
         algorithm="single-key",
-    )  # fmt: skip
+    )
     made = create_rdzv_handler(params)
     assert isinstance(made, EtcdRendezvousHandler)
     return made

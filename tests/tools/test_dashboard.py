@@ -255,12 +255,12 @@ def test_the_command_serves_until_ctrl_c(etcd: EtcdServer, run_id: str, tmp_path
     step = {"ts": 5.0, "kind": "train.step", "step": 7, "loss": 1.5, "world_size": 1}
     (runs / run_id / "events.jsonl").write_text(json.dumps(step) + "\n")
     out = tmp_path / "dashboard.out"
+    argv = [PYTHON, "-m", "elastic.tools.cli", "dashboard", "--port", "0"]
+    argv += ["--etcd", etcd.endpoint, "--run-id", run_id, "--runs-dir", str(runs)]
     with open(out, "wb") as f:
         proc = subprocess.Popen(
-            [PYTHON, "-m", "elastic.tools.cli", "dashboard", "--etcd", etcd.endpoint,
-             "--run-id", run_id, "--runs-dir", str(runs), "--port", "0"],
-            stdout=f, stderr=subprocess.PIPE, env=node_env(), cwd=REPO, text=True,
-        )  # fmt: skip
+            argv, stdout=f, stderr=subprocess.PIPE, env=node_env(), cwd=REPO, text=True
+        )
     try:
         found = wait_until(
             lambda: re.search(r"(http://127\.0\.0\.1:\d+/)", out.read_text()), 60, "the URL"

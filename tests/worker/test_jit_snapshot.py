@@ -73,9 +73,13 @@ def _torchrun(config: Path, overrides: list[str], log: Path) -> subprocess.Popen
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["--max-restarts=1", "-m", "elastic.training.worker", "--config", str(config)]
     return subprocess.Popen(
-        cmd + overrides, cwd=REPO, env=environ, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cmd + overrides,
+        cwd=REPO,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_kill_9_of_a_rank_loses_no_step(tmp_path: Path, tiny_config: Callable[..., Path]) -> None:
