@@ -17,11 +17,12 @@ round costs O(N) writes per node. Here:
   the round only re-forms the previous one and all its live members, and the newcomers
   it named in ``joining``, are back: the early close, as :mod:`elastic.rendezvous.rounds`
   does for single-key), it publishes
-  ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, the master
-  address) in one transaction, fenced by the round key's ``mod_revision``, by its own
-  member key (a closer whose lease expired cannot publish) and by the commit fence:
-  the same transaction advances the fence (:mod:`elastic.rendezvous.fence`), so a
-  round is never visible before its fence.
+  ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, rank 0's address
+  and bootstrap port, where its agent hosts the round's bootstrap store:
+  :mod:`elastic.rendezvous.bootstrap`) in one transaction, fenced by the round key's
+  ``mod_revision``, by its own member key (a closer whose lease expired cannot publish)
+  and by the commit fence: the same transaction advances the fence
+  (:mod:`elastic.rendezvous.fence`), so a round is never visible before its fence.
 * **Wait.** Everybody else watches the round key and its predecessor's key in one watch:
   a published round wakes each node once; a death wakes only the dead node's successor
   (no herd). A node whose predecessor vanished looks for the next older one; with none
@@ -97,6 +98,7 @@ from elastic.errors import EtcdConnectionError
 from elastic.etcd import client as etcd_client
 from elastic.etcd.client import EtcdClient, compare_absent, compare_mod, op_get, op_put
 from elastic.etcd.server import free_port
+from elastic.rendezvous.bootstrap import BootstrapStore
 from elastic.rendezvous.fence import FenceSpec, _compare_less, _round_bytes, high_key
 from elastic.rendezvous.handler import ChangeKind, MembershipChange
 from elastic.rendezvous.keys import RunKeys
@@ -343,6 +345,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._peers: frozenset[str] = frozenset()
         self._reform_requested = False
         self._outage_since: float | None = None
+        self._bootstrap = BootstrapStore()
         self.keepalives = 0  # etcd requests spent on keep-alives
 
     # -- torch's contract ------------------------------------------------------
@@ -352,7 +355,9 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
     @property
     def use_agent_store(self) -> bool:
-        return False
+        """Whether this node's workers are clients of a bootstrap store its agent hosts
+        (:mod:`elastic.rendezvous.bootstrap`). On other nodes they are clients anyway."""
+        return self._bootstrap.hosting
 
     @property
     def name(self) -> str:
@@ -410,6 +415,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         os.environ[env.FENCE] = FenceSpec.for_run(self._client.options, self._keys, round_).to_env()
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
         bootstrap = RendezvousStoreInfo(str(doc["master_addr"]), int(doc["master_port"]))
+        self._bootstrap.start_round(rank, bootstrap.master_addr, bootstrap.master_port)
         logger.info(
             "The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world "
             "of size %d.",
@@ -529,6 +535,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        self._bootstrap.close()
         self._ledger.close()
 
     # -- announcing ------------------------------------------------------------

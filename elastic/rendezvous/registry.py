@@ -7,18 +7,18 @@ grpc load only when a handler is created.
 
 Options (``--rdzv-conf key=value,...``): see :mod:`elastic.rendezvous.options`.
 
-With ``algorithm=announce`` the handler is :mod:`elastic.rendezvous.announce` (one key
-per node); otherwise (``single-key``, the default) the handler
+With ``algorithm=announce`` (the default) the handler is :mod:`elastic.rendezvous.announce`
+(one key per node; rank 0's agent hosts each round's bootstrap store,
+:mod:`elastic.rendezvous.bootstrap`). With ``single-key`` the handler
 (:mod:`elastic.rendezvous.handler`) is torch's DynamicRendezvousHandler
 on our storage (:mod:`~elastic.rendezvous.backend`, :mod:`~elastic.rendezvous.store`)
 and our run ledger (:mod:`~elastic.rendezvous.ledger`), all on one etcd client.
 
-The agent-hosted shared TCPStore is turned off (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)
-unless the user set that variable: in torch 2.14 a node joining a running job
-hangs with it (the old rank 0 never republishes the store address for the new
-round), and it would put a single point of failure on one training node, which
-is what an etcd rendezvous exists to avoid. Workers then bootstrap their
-process group from a fresh TCPStore each round.
+For ``single-key``, torch's agent-hosted shared TCPStore is turned off
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) unless the user set that variable: in torch
+2.14 a node joining a running job hangs with it (the old rank 0 never republishes the
+store address for the new round). Workers then bootstrap their process group from a
+fresh TCPStore that rank 0's worker hosts each round.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     if options.algorithm == ANNOUNCE:
         from elastic.rendezvous.announce import build_announce_handler
 
-        # Its workers bootstrap from a port rank 0 announced; no shared agent store.
+        # Rank 0's agent hosts each round's bootstrap store (elastic.rendezvous.bootstrap).
         return build_announce_handler(params, options)  # fails now if unreachable
     if os.environ.setdefault(env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1") != "1":
         logger.warning(

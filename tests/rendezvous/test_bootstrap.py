@@ -1,0 +1,127 @@
+"""The round's bootstrap store: hosted by rank 0's agent before any worker starts.
+
+A worker that asks a TCPStore before it listens backs off for about half a second (the
+last test shows it, so that a torch that changes this is noticed), which every re-form
+paid when a non-zero rank's worker started before rank 0's.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from elastic.etcd.server import EtcdServer, free_port
+from elastic.rendezvous.bootstrap import BootstrapStore, wait_listening
+from tests.helpers import wait_until
+from tests.rendezvous.test_announce import Nodes, join_all
+
+
+def refuses(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return True
+    return False
+
+
+def client(port: int, seconds: float = 2.0) -> TCPStore:
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=seconds))
+
+
+def test_rank_0_hosts_a_store_that_clients_reach_and_close_stops_it() -> None:
+    port = free_port()
+    store = BootstrapStore()
+    store.start_round(0, "127.0.0.1", port)
+    assert store.hosting
+    c = client(port)
+    c.set("k", "v")
+    assert c.get("k") == b"v"
+    del c
+    store.close()
+    assert not store.hosting
+    wait_until(lambda: refuses(port), 10, "the closed store to stop listening")
+
+
+def test_another_rank_waits_until_rank_0_listens() -> None:
+    port = free_port()
+    hosted: list[BootstrapStore] = []
+
+    def host_later() -> None:
+        time.sleep(0.3)  # rank 0's agent learns the round a little later
+        hosted.append(BootstrapStore())
+        hosted[0].start_round(0, "127.0.0.1", port)
+
+    threading.Thread(target=host_later).start()
+    started = time.monotonic()
+    BootstrapStore().start_round(1, "127.0.0.1", port)
+    waited = time.monotonic() - started
+    assert hosted and hosted[0].hosting and not refuses(port)
+    assert 0.2 < waited < 1.5, waited
+    hosted[0].close()
+
+
+def test_nobody_listening_gives_up_after_the_deadline() -> None:
+    started = time.monotonic()
+    assert not wait_listening("127.0.0.1", free_port(), 0.3)
+    assert time.monotonic() - started < 2
+
+
+def test_a_taken_port_falls_back_to_rank_0s_worker(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        store = BootstrapStore()
+        with caplog.at_level(logging.WARNING, logger="elastic.rendezvous.bootstrap"):
+            store.start_round(0, "127.0.0.1", taken.getsockname()[1])
+    assert not store.hosting
+    assert "rank 0's worker hosts it" in caplog.text
+
+
+@pytest.fixture
+def pair(etcd: EtcdServer, run_id: str) -> Iterator[Nodes]:
+    nodes = Nodes(etcd, run_id, "2:2")
+    nodes.add(2)
+    yield nodes
+    nodes.close()
+
+
+def test_each_round_gets_a_fresh_store_that_listens_when_the_round_returns(pair: Nodes) -> None:
+    seen = []
+    for round_ in range(2):
+        infos = join_all(pair.handlers)
+        by_rank = {infos[h.name].rank: h for h in pair.handlers}
+        assert by_rank[0].use_agent_store and not by_rank[1].use_agent_store
+        info = next(iter(infos.values())).bootstrap_store_info
+        c = client(info.master_port, 1.0)  # listening already: no back-off
+        if round_ == 1:
+            assert not c.check(["written-in-round-0"]), "a new round reads no old key"
+        c.set("written-in-round-0", "x")
+        del c
+        seen.append(info.master_port)
+        for h in pair.handlers:
+            h.request_reform()
+    if seen[0] != seen[1]:
+        wait_until(lambda: refuses(seen[0]), 10, "the first round's store to stop")
+
+
+def test_a_client_before_its_server_backs_off() -> None:
+    """Why the store is hosted early: torch's client backs off when refused."""
+    port = free_port()
+    servers: list[TCPStore] = []
+    timer = threading.Timer(
+        0.05,
+        lambda: servers.append(TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)),
+    )
+    timer.start()
+    started = time.monotonic()
+    client(port, 10)
+    waited = time.monotonic() - started
+    timer.join()
+    assert waited > 0.15, f"torch no longer backs off ({waited:.3f} s): hosting early matters less"
