@@ -122,7 +122,10 @@ def main() -> None:
 
     from google.protobuf import __version__ as protobuf_version
 
+    from elastic.tools.cluster import provenance
+
     result: dict[str, Any] = {
+        "provenance": provenance(),
         "requests_per_run": args.requests,
         "value_bytes": args.value_bytes,
         "repeats": args.repeats,

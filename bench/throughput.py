@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.tools.cluster import provenance
 from elastic.training.config import load_config
 from elastic.training.worker import Worker, _setup_torch, init_distributed
 
@@ -276,7 +277,7 @@ def main() -> None:
     if args.snapshot:
         if args.steps == 30:
             args.steps = 5
-        print(json.dumps(snapshot_bench(args), indent=2))
+        print(json.dumps({"provenance": provenance(), **snapshot_bench(args)}, indent=2))
         return
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     os.environ.setdefault("ELASTIC_SNAPSHOT_EVERY", "0")  # checkpoints alone
@@ -302,6 +303,7 @@ def main() -> None:
         worker.checkpoints.close()
         dist.destroy_process_group()
     result: dict[str, Any] = {
+        "provenance": provenance(),
         "bench": "throughput",
         "model": cfg.model.name,
         "image_size": cfg.data.image_size,
