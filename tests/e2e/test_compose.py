@@ -320,6 +320,23 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     for container in cluster.compose("ps", "-q", "dashboard").stdout.split():
         cluster.assert_no_secret_in(container)
 
+    # The timeline of the whole run, drawn on the host from the shared volume's event log.
+    picture = cluster.dir.parent / f"{cluster.run_id}-timeline.png"
+    drawn = run(
+        [
+            sys.executable,
+            "-m",
+            "elastic.tools.cli",
+            "timeline",
+            str(cluster.event_log),
+            "-o",
+            str(picture),
+        ],
+        timeout=180,
+    )
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", drawn.stdout + drawn.stderr
+    assert str(picture) in drawn.stdout and picture.stat().st_size > 20_000, drawn.stdout
+
 
 S3_MAX_STEPS = int(os.environ.get("ELASTIC_E2E_S3_MAX_STEPS", "200"))
 
