@@ -35,7 +35,8 @@ RUN if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then \
 WORKDIR /app
 # Dependencies first, in layers that change only when the wheels or the dependency list do:
 # torch (+ docker/wheelhouse/requirements.txt when a wheelhouse brings one), then whatever else
-# pyproject.toml lists (already satisfied in the offline build; from PyPI otherwise).
+# pyproject.toml lists, with the `plot` extra for the dashboard's timeline picture (already
+# satisfied in the offline build; from PyPI otherwise).
 COPY docker/wheelhouse/ /tmp/wheels/
 RUN set -eux; \
     pip install $PIP_ARGS --find-links /tmp/wheels --upgrade pip 'setuptools>=77' wheel; \
@@ -45,7 +46,7 @@ RUN set -eux; \
     fi
 COPY pyproject.toml /tmp/pyproject.toml
 RUN set -eux; \
-    python -c 'import tomllib; print("\n".join(tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    python -c 'import tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["plot"]))' \
         > /tmp/requirements.txt; \
     pip install $PIP_ARGS --find-links /tmp/wheels -r /tmp/requirements.txt 's3fs>=2023.1'; \
     rm -rf /tmp/wheels /root/.cache

@@ -96,10 +96,10 @@ AGENT_TAG="$( (echo "$BASE_IMAGE $TORCH_SPEC $TORCHVISION_SPEC"; for f in "${FIL
 AGENT_IMAGE="elastic-agent:$AGENT_TAG"
 if ! have_image "$AGENT_IMAGE"; then
     WHEELS="$CACHE/wheelhouse"
-    stamp="$( (echo "wheelhouse-v2 $TORCH_SPEC $TORCHVISION_SPEC"; "$PY" - <<'PYEOF'
+    stamp="$( (echo "wheelhouse-v3 $TORCH_SPEC $TORCHVISION_SPEC"; "$PY" - <<'PYEOF'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(p["dependencies"]))
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["plot"]))
 PYEOF
     ) | sha)"
     if [ ! -f "$WHEELS/.stamp-$stamp" ]; then
@@ -108,7 +108,8 @@ PYEOF
         "$PY" - > "$CACHE/requirements.txt" <<'PYEOF'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(d for d in p["dependencies"] if not d.startswith(("torch>", "torchvision>"))))
+deps = p["dependencies"] + p["optional-dependencies"]["plot"]  # plot: the dashboard's picture
+print("\n".join(d for d in deps if not d.startswith(("torch>", "torchvision>"))))
 PYEOF
         echo 's3fs>=2023.1' >> "$CACHE/requirements.txt"
         "$PY" -m pip wheel --quiet --wheel-dir "$WHEELS" --prefer-binary \

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -167,6 +168,9 @@ def dashboard_sees_world(cluster: Cluster, world: int, step: int, timeout: float
     assert len(ranked) == world, status["rendezvous"]
     page = cluster.dashboard("")
     assert page and f'<span id="run-id">{cluster.run_id}</span>' in page
+    url = f"http://127.0.0.1:{cluster.dashboard_port}/timeline.png"
+    with urllib.request.urlopen(url, timeout=60) as reply:  # the image has matplotlib
+        assert reply.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def agent_figures_reach(cluster: Cluster, step: int) -> bool:
