@@ -22,6 +22,11 @@ Small hooks into torch's agent:
 * **Snapshot lifetime** (:mod:`elastic.recovery.snapshot`): workers learn this agent's
   pid (their snapshot files in ``/dev/shm`` carry it, so they outlive a worker restart);
   the agent removes its files when it exits, and on start those of agents that are gone.
+* **In-place re-forms** (:mod:`elastic.inplace`): when every local worker is a script on
+  ``elastic.Run`` that registered on its channel, a change of membership runs the
+  rendezvous and hands the running workers their new ranks instead of restarting them
+  (:meth:`NodeAgent._restart_workers`); a lost peer is announced first, so that a
+  collective blocked on it is released while the round forms.
 * **Metrics** (:mod:`elastic.metrics`, with ``--metrics-port``): each round, change,
   failure and spent restart is recorded; the hooks do nothing when metrics are off.
 * **A worker's exit is noticed at once.** torch sleeps ``--monitor-interval`` between
@@ -52,11 +57,15 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic import env, events, metrics, reform
+from elastic.inplace import channel
+from elastic.inplace.channel import Assignment
+from elastic.procs import alive
 from elastic.recovery import snapshot
 from elastic.rendezvous.handler import ChangeKind, MembershipChange, MembershipHandler
 
 logger = logging.getLogger(__name__)
 
+WAITING_TICK_S = 0.02  # the agent's check interval while a worker waits for a new round
 LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit before SIGKILL
 _PEER_GONE = (ChangeKind.PEERS_LOST, ChangeKind.DROPPED)
 
@@ -79,6 +88,111 @@ class NodeAgent(LocalElasticAgent):
         if env.FENCE in os.environ:
             worker_env[env.FENCE] = os.environ[env.FENCE]
         worker_env[snapshot.OWNER_ENV] = str(os.getpid())  # whose node the snapshots are
+        if self._offers_in_place():
+            worker_env[env.CHANNEL] = str(channel.prefix_for(os.getpid(), local_rank))
+
+    # -- in-place re-forms (elastic.inplace) -------------------------------------------------
+
+    _asked_round: int = -1  # the round a worker last asked to leave (want_round)
+
+    def _offers_in_place(self) -> bool:
+        handler = self._worker_group.spec.rdzv_handler
+        off = os.environ.get(env.IN_PLACE, "1").strip().lower() in ("0", "false", "no", "off")
+        return not off and bool(getattr(handler, "hosts_round_store", False))
+
+    def _round(self) -> int:
+        view = getattr(self._worker_group.spec.rdzv_handler, "round_view", None)
+        return int(view()[0]) if view is not None else -1
+
+    def _assign(self, worker_group: WorkerGroup, pending: Assignment | None = None) -> None:
+        """Write each local worker's assignment (or ``pending`` for all of them)."""
+        for w in worker_group.workers:
+            a = pending or Assignment(
+                round=self._round(),
+                rank=w.global_rank,
+                world_size=w.world_size,
+                master_addr=str(worker_group.master_addr),
+                master_port=int(worker_group.master_port or 0),
+                fence=os.environ.get(env.FENCE, ""),
+                issued=time.time(),
+            )
+            channel.write_assignment(channel.prefix_for(os.getpid(), w.local_rank), a)
+
+    def _in_place_ready(self, worker_group: WorkerGroup) -> bool:
+        """Whether every local worker runs on ``elastic.Run`` in place and is alive."""
+        if not self._offers_in_place() or not worker_group.workers:
+            return False
+        for w in worker_group.workers:
+            reg = channel.read_registration(channel.prefix_for(os.getpid(), w.local_rank))
+            if reg is None or reg.pid != w.id or not alive(reg.pid):
+                return False
+        return True
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._offers_in_place():
+            for w in worker_group.workers:
+                channel.remove(channel.prefix_for(os.getpid(), w.local_rank))
+            self._assign(worker_group)
+        return super()._start_workers(worker_group)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """Re-form in place when the workers can (see :mod:`elastic.inplace`), else torch's
+        stop, rendezvous, start."""
+        if not self._in_place_ready(worker_group):
+            super()._restart_workers(worker_group)
+            return
+        started = time.monotonic()
+        change, self._change = self._change, None
+        kind = change.kind.value if change is not None else "requested"
+        if change is None or change.kind is not ChangeKind.JOINERS:
+            # A peer is gone: release the workers' collectives while the round forms.
+            self._assign(worker_group, Assignment(self._round() + 1, pending=True, abort=True))
+        pids = {w.local_rank: w.id for w in worker_group.workers}
+        self._rendezvous(worker_group)
+        for w in worker_group.workers:
+            w.id = pids[w.local_rank]
+        self._assign(worker_group)
+        worker_group.state = WorkerState.HEALTHY
+        seconds = time.monotonic() - started
+        metrics.on_change("inplace")
+        logger.info(
+            "Re-formed in place: round %d, world size %d (%s) in %.3f s; no worker restarted.",
+            self._round(),
+            worker_group.workers[0].world_size,
+            kind,
+            seconds,
+        )
+        events.emit(
+            "rdzv.inplace",
+            round=self._round(),
+            world_size=worker_group.workers[0].world_size,
+            change=kind,
+            seconds=round(seconds, 4),
+        )
+
+    def _registrations(self) -> list[channel.Registration]:
+        """The local workers' registrations for the current round (in place only)."""
+        if not self._offers_in_place():
+            return []
+        current = self._round()
+        found = []
+        for w in self._worker_group.workers:
+            reg = channel.read_registration(channel.prefix_for(os.getpid(), w.local_rank))
+            if reg is not None and reg.round >= current:
+                found.append(reg)
+        return found
+
+    def _workers_ask_for_round(self, handler: MembershipHandler) -> None:
+        """A worker whose step failed asks for a new round (once a round)."""
+        current = self._round()
+        if current <= self._asked_round:
+            return
+        for reg in self._registrations():
+            if reg.want_round:
+                logger.info("A worker's step failed with no new round; forming one.")
+                self._asked_round = current
+                handler.request_reform()
+                return
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # The node stays: the workers need not persist a checkpoint (see elastic.reform).
@@ -115,7 +229,10 @@ class NodeAgent(LocalElasticAgent):
             spec.monitor_interval, self._tick_s = self._tick_s, None
 
     def _wait_for_worker_exit(self, timeout: float) -> None:
-        """Sleep up to ``timeout`` seconds, waking as soon as a worker process ends."""
+        """Sleep up to ``timeout`` seconds, waking as soon as a worker process ends (and
+        every :data:`WAITING_TICK_S` while a worker waits for a new round)."""
+        if any(r.waiting for r in self._registrations()):
+            timeout = min(timeout, WAITING_TICK_S)
         with contextlib.ExitStack() as stack:
             handles = _exit_handles(getattr(self, "_pcontext", None), stack)
             if handles:
@@ -131,6 +248,7 @@ class NodeAgent(LocalElasticAgent):
         if handler is None:
             return result
         if result.state == WorkerState.HEALTHY:
+            self._workers_ask_for_round(handler)
             self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
             return result
         if result.state != WorkerState.FAILED or not result.failures:
@@ -207,6 +325,8 @@ class NodeAgent(LocalElasticAgent):
             raise
         finally:
             snapshot.remove_owned(os.getpid())
+            for local_rank in range(self._worker_group.spec.local_world_size):
+                channel.remove(channel.prefix_for(os.getpid(), local_rank))
 
 
 def _exit_handles(pcontext: Any, stack: contextlib.ExitStack) -> list[Any]:
@@ -269,4 +389,4 @@ def install() -> None:
     launcher_api.logger.addFilter(_RedactPasswords())
 
 
-__all__ = ["LOST_PEER_GRACE_S", "NodeAgent", "install"]
+__all__ = ["LOST_PEER_GRACE_S", "WAITING_TICK_S", "NodeAgent", "install"]

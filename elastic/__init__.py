@@ -7,6 +7,7 @@ The public API (imported on first use, so ``import elastic`` stays light)::
         for x, y in run.batches(loader):
             ...
 
+* :func:`init_process_group`: torch's, plus in-place re-forms under our agent (gloo);
 * :class:`Run`: resume (memory, peer, storage), per-step snapshots, fenced checkpoints;
 * :class:`DistributedSampler`: torch's, with an exact mid-epoch resume point;
 * :class:`RecoveryError`: a state that cannot be snapshotted, exchanged or restored;
@@ -24,9 +25,17 @@ _LAZY = {
     "DistributedSampler": "elastic.recovery.sampler",
     "RecoveryError": "elastic.errors",
     "EXIT_CODE": "elastic.reform",
+    "init_process_group": "elastic.inplace",
 }
 
-__all__ = ["EXIT_CODE", "DistributedSampler", "RecoveryError", "Run", "__version__"]
+__all__ = [
+    "EXIT_CODE",
+    "DistributedSampler",
+    "RecoveryError",
+    "Run",
+    "__version__",
+    "init_process_group",
+]
 
 
 def __getattr__(name: str) -> Any:

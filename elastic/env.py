@@ -29,3 +29,5 @@ METRICS_PORT = "ELASTIC_METRICS_PORT"  # elastic-agent --metrics-port: serve Pro
 SNAPSHOT_EVERY = "ELASTIC_SNAPSHOT_EVERY"  # steps between memory snapshots: N, "auto" or 0 (off)
 SNAPSHOT_OWNER = "ELASTIC_SNAPSHOT_OWNER"  # the agent pid whose node the snapshot files belong to
 SNAPSHOT_BACKGROUND = "ELASTIC_SNAPSHOT_BACKGROUND"  # 1/0: copy snapshots in a background thread
+CHANNEL = "ELASTIC_CHANNEL"  # path prefix of the agent <-> worker files for in-place re-forms
+IN_PLACE = "ELASTIC_IN_PLACE"  # 0 = never re-form a running worker in place (see elastic.inplace)

@@ -46,6 +46,13 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "train.samples": "the sample indices a rank trains on in a step, recorded before the "
         "step runs; a redone step's record replaces it (job.sample_ledger)",
         # elastic.recovery (the elastic.Run API)
+        "recovery.inplace": "a rank re-formed its group in place (same process): step, round, "
+        "rank, world_size, pid, seconds, waited_s (for the round), form_s, state (live, "
+        "memory, peer, storage)",
+        "recovery.fallback": "an in-place re-form failed; the rank restarts and resumes from "
+        "memory: step, reason",
+        "rdzv.inplace": "an agent handed its running workers a new round instead of restarting "
+        "them: round, world_size, change, seconds",
         "recovery.resume": "a rank resumed: step, source (memory: its node's snapshot, peer: "
         "streamed from a holder, storage, fresh), seconds, bytes received, held, persisted",
     }

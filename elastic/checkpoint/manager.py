@@ -177,6 +177,14 @@ class CheckpointManager:
         finally:
             FastSavePlanner.forget(self._plan_key)
 
+    def abandon(self) -> None:
+        """Forget the save in flight without waiting: its group was dropped (a peer is
+        gone), so it cannot commit; its thread ends with that group's timeout."""
+        if self._pending is not None and not self._pending.done():
+            logger.warning("Abandoning the checkpoint save in flight: its group is gone.")
+        self._pending = None
+        FastSavePlanner.forget(self._plan_key)
+
     def load_latest(
         self, make_state: Callable[[], dict[str, Any]]
     ) -> tuple[int, dict[str, Any]] | None:

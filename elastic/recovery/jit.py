@@ -261,6 +261,26 @@ class StepSnapshots:
             self.snapshotter.take(step, self.round, self._state(), stable_ptrs(self.optimizer))
         self._boundary = Boundary.keep(step, self.model, self._extra())
 
+    @property
+    def last_boundary(self) -> Boundary | None:
+        """What was kept at the last completed step (None before the first)."""
+        return self._boundary
+
+    def keep_boundary(self, step: int) -> None:
+        """Mark the live state as step ``step``'s boundary (after a re-form moved it)."""
+        self._stepped = False
+        self._boundary = Boundary.keep(step, self.model, self._extra())
+
+    def write_live(self, step: int) -> None:
+        """Snapshot the live state as step ``step`` now, synchronously (a peer will stream
+        it to a joiner), unless the newest snapshot is that step already."""
+        self.snapshotter.wait()
+        found = self.store.newest()
+        if found is not None and (found[1].step, found[1].round) == (step, self.round):
+            return
+        self.snapshotter.take(step, self.round, self._state(), set())
+        self.snapshotter.wait()
+
     def _due(self, step: int) -> bool:
         if self.auto is not None:
             return self.auto.due(step)

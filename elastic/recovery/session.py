@@ -39,6 +39,10 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
 from elastic import env, events, reform
+from elastic.errors import RecoveryError
+from elastic.inplace import groups
+from elastic.inplace.channel import Assignment
+from elastic.inplace.member import Member
 from elastic.recovery import exchange
 from elastic.recovery.codec import from_json, to_json
 from elastic.recovery.jit import AUTO, Every, StepSnapshots, stable_ptrs
@@ -47,6 +51,10 @@ from elastic.recovery.snapshot import DEFAULT_DIR, SnapshotStore
 
 logger = logging.getLogger(__name__)
 B = TypeVar("B")
+
+
+class _Reform(Exception):
+    """The group re-forms in place after this step (a round changed, a peer is gone)."""
 
 
 class Run:
@@ -68,6 +76,14 @@ class Run:
         run_id: names the snapshots and checkpoints; default: the rendezvous id.
         keep_last: persisted checkpoints kept.
         snapshot_dir: node-local shared memory (``/dev/shm``).
+        global_batch_size: keep the global batch constant across world sizes: each rank's
+            loader (given to :meth:`batches`) yields ``global_batch_size // world_size``
+            samples a step, set again after every re-form. None: the loader's own.
+
+    In-place re-forms: when the script formed its group with
+    :func:`elastic.init_process_group` under our agent, a change of membership re-forms the
+    group inside this process (:mod:`elastic.inplace`); :attr:`rank` and
+    :attr:`world_size` follow it.
     """
 
     def __init__(
@@ -83,31 +99,41 @@ class Run:
         run_id: str | None = None,
         keep_last: int = 3,
         snapshot_dir: str = DEFAULT_DIR,
+        global_batch_size: int | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.sampler = _exact(sampler)
         self.run_id = run_id or os.environ.get(env.RUN_ID) or "local"
         self.snapshot_every = snapshot_every
         self.checkpoint_every = checkpoint_every
+        self.global_batch_size = global_batch_size
+        self._loader: Any = None
+        self._member = Member.from_env()
+        joined: Assignment | None = None
+        if self._member is not None:
+            self._member.guard.install(model, optimizer, scheduler)
+            joined = self._member.join()[0]
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.step, self.epoch, self.consumed = 0, 0, 0
         self.resumed_from = "fresh"
         self.received_bytes = 0
-        self._ctl = _gloo_group() if self.distributed else None
-        self._fence = _fence_from_env()
-        self._round = int(getattr(self._fence, "round", 0) or 0)
+        self.reforms = 0  # in-place re-forms this process took part in
+        self._round_of_state = -1  # the round whose group produced the live state
+        self._ctl = self._control_group() if self.distributed else None
+        self._fence = _fence_from_env(joined.fence if joined is not None else None)
+        self._round = joined.round if joined is not None else _round_of(self._fence)
         self._checkpoints = None
+        self._ckpt_cfg: Any = None
         if checkpoint_url is not None:
-            from elastic.checkpoint import CheckpointManager
             from elastic.training.config import CheckpointConfig
 
-            cfg = CheckpointConfig(
+            self._ckpt_cfg = CheckpointConfig(
                 url=str(checkpoint_url), interval=checkpoint_every, keep_last=keep_last
             )
-            group = _gloo_group() if self.distributed else None
-            self._checkpoints = CheckpointManager(cfg, self.run_id, group, self._fence)
+            if self._member is None:  # in place: made with each group (_on_new_group)
+                self._checkpoints = self._checkpoint_manager()
         local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
         self._store = SnapshotStore(self.run_id, local_rank, directory=snapshot_dir)
         self._jit = StepSnapshots(
@@ -131,7 +157,25 @@ class Run:
         self._last_saved = -1
         self._last_step_at = time.perf_counter()
         self._batch = 0
-        self._resume()
+        if self._member is not None:
+            self._on_new_group()
+            self._sync_state(live=False)
+        else:
+            self._resume()
+
+    def _control_group(self) -> dist.ProcessGroup | None:
+        """Our collectives' group: the job's own when in place (it is swapped on each
+        re-form; our collectives run on the training thread between steps), else a
+        gloo group of its own."""
+        return dist.group.WORLD if self._member is not None else _gloo_group()
+
+    def _checkpoint_manager(self) -> Any:
+        from elastic.checkpoint import CheckpointManager
+
+        group = None
+        if self.distributed:
+            group = groups.side_group() if self._member is not None else _gloo_group()
+        return CheckpointManager(self._ckpt_cfg, self.run_id, group, self._fence)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -141,7 +185,10 @@ class Run:
         with self._failures("steps"):
             while self.step < total:
                 yield self.step
-                self._after_step(final=self.step + 1 >= total)
+                try:
+                    self._finish_step(final=self.step + 1 >= total)
+                except _Reform:
+                    self._reform()
         self._complete()
 
     def epochs(self, total: int) -> Iterator[int]:
@@ -162,16 +209,57 @@ class Run:
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self.epoch)
             self.sampler.consumed = self.consumed
-        self._batch = int(getattr(loader, "batch_size", 0) or 0)
+        self._loader = loader
+        self._set_batch()
         self._jit.restart_clock()
         with self._failures("batches"):
             self._in_batches = True
-            for batch in loader:
-                yield batch
-                self.consumed += self._batch * self.world_size
-                self._after_step()
+            while True:
+                try:
+                    for batch in loader:
+                        yield batch
+                        self._finish_step()
+                    break
+                except _Reform:
+                    self._reform()
+                    self._deal_rest()
             self._in_batches = False
         self.epoch, self.consumed = self.epoch + 1, 0
+
+    def _finish_step(self, final: bool = False) -> None:
+        """Count the step just run, unless its collectives failed (in place: then the
+        state of the last completed step is restored and the group re-forms)."""
+        if self._member is not None and self._member.guard.failure is not None:
+            self._rewind()
+            raise _Reform
+        if self._in_batches:
+            self.consumed += self._batch * self.world_size
+        self._after_step(final=final)
+
+    def _set_batch(self) -> None:
+        """Each rank's batch: the loader's, or the share of the constant global batch."""
+        loader = self._loader
+        if self.global_batch_size is not None:
+            share, rest = divmod(self.global_batch_size, self.world_size)
+            if rest or not share:
+                raise RecoveryError(
+                    f"global_batch_size={self.global_batch_size} does not divide among "
+                    f"{self.world_size} ranks; choose a multiple of every world size the "
+                    "job may run at."
+                )
+            batch_sampler = getattr(loader, "batch_sampler", None)
+            if batch_sampler is not None and hasattr(batch_sampler, "batch_size"):
+                batch_sampler.batch_size = share
+            self._batch = share
+            return
+        self._batch = int(getattr(loader, "batch_size", 0) or 0)
+
+    def _deal_rest(self) -> None:
+        """After a re-form mid-epoch: deal the epoch's remaining samples to the new group."""
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.consumed = self.consumed
+        self._set_batch()
 
     @contextlib.contextmanager
     def _failures(self, where: str) -> Iterator[None]:
@@ -249,16 +337,19 @@ class Run:
 
     # -- resume -----------------------------------------------------------------------------
 
-    def _resume(self) -> None:
+    def _resume(self, stale_live: bool = False) -> None:
         started = time.perf_counter()
         found = self._store.newest()
-        held = (found[1].step, found[1].round) if found else None
+        held = (found[1].step, found[1].round) if found and not stale_live else None
         persisted = self._persisted_step() if self.rank == 0 else -1
         plan = exchange.agree(held, persisted, self._ctl)
         if plan.source == "storage":
             self._load_storage()
         elif plan.source == "memory":
             self._load_memory(plan)
+        elif plan.source == "fresh" and self._member is not None:
+            self._broadcast_model()  # DDP's own broadcast ran in a group of one
+        self._round_of_state = self._round
         seconds = time.perf_counter() - started
         self._last_saved = self.step if plan.source == "storage" else -1
         logger.info(
@@ -281,6 +372,11 @@ class Run:
             held=held[0] if held else None,
             persisted=plan.persisted,
         )
+
+    def _broadcast_model(self) -> None:
+        module = getattr(self.model, "module", self.model)
+        for tensor in module.state_dict().values():
+            dist.broadcast(tensor, src=0)
 
     def _load_memory(self, plan: exchange.Plan) -> None:
         started = time.perf_counter()
@@ -322,6 +418,131 @@ class Run:
     def _group_rank(self) -> int:
         return dist.get_rank(self._ctl) if self._ctl is not None else 0
 
+    # -- in-place re-forms ------------------------------------------------------------------
+
+    def _reform(self) -> None:
+        """Re-form the group in this process: wait for the agent's next round, swap its
+        group in and agree on the state; any failure falls back to a restart (exit
+        :data:`elastic.reform.EXIT_CODE` after a failure-time snapshot)."""
+        member = self._member
+        assert member is not None
+        started = time.perf_counter()
+        old_round, old_world = self._round, self.world_size
+        failed = member.guard.failure is not None and member.guard.aborted is None
+        broken = member.guard.aborted is not None or member.guard.failure is not None
+        try:
+            joined, waited, formed = member.join(failed=failed)
+            self._on_new_group(broken)
+            synced = self._sync_state(live=True)
+        except (RecoveryError, RuntimeError) as exc:
+            self._fall_back(exc)
+        self.reforms += 1
+        seconds = time.perf_counter() - started
+        logger.info(
+            "Re-formed in place: round %d -> %d, world %d -> %d, rank %d, at step %d in "
+            "%.3f s (waited %.3f s for the round, formed the group in %.3f s, state: %s).",
+            old_round,
+            joined.round,
+            old_world,
+            self.world_size,
+            self.rank,
+            self.step,
+            seconds,
+            waited,
+            formed,
+            synced,
+        )
+        events.emit(
+            "recovery.inplace",
+            step=self.step,
+            round=joined.round,
+            rank=self.rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            seconds=round(seconds, 4),
+            waited_s=round(waited, 4),
+            form_s=round(formed, 4),
+            state=synced,
+        )
+        self._jit.restart_clock()
+
+    def _fall_back(self, exc: BaseException) -> None:
+        logger.warning("The in-place re-form failed (%s); restarting from memory instead.", exc)
+        events.emit("recovery.fallback", step=self.step, reason=str(exc)[:300], pid=os.getpid())
+        self._jit.failed("the in-place re-form failed")
+        self._jit.close()
+        self._restore_signals()
+        if self._member is not None:
+            self._member.close()
+        raise SystemExit(reform.EXIT_CODE) from exc
+
+    def _rewind(self) -> None:
+        """Undo what a failed step changed outside ``optimizer.step()`` (which the guard
+        skipped): buffers, RNG, schedule and counters return to the last boundary."""
+        boundary = self._jit.last_boundary
+        if boundary is None or boundary.extra is None or boundary.step != self.step:
+            return
+        if boundary.buffers:
+            for buf in self.model.buffers():
+                kept = boundary.buffers.get(buf.data_ptr())
+                if kept is not None:
+                    buf.data.copy_(kept)
+        self._apply_extra(boundary.extra)
+
+    def _on_new_group(self, broken: bool = False) -> None:
+        """Carry what depends on the group into the new one: ranks, DDP, the sampler's
+        share, the per-rank batch, the fence and the checkpoints' group."""
+        member = self._member
+        assert member is not None and member.assignment is not None
+        self.distributed = True
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._ctl = self._control_group()
+        self._round = member.assignment.round
+        self._jit.round = self._round
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self.model._update_process_group(dist.group.WORLD)
+        if self.sampler is not None and hasattr(self.sampler, "num_replicas"):
+            self.sampler.num_replicas, self.sampler.rank = self.world_size, self.rank
+        if self._loader is not None:
+            self._set_batch()
+        if member.assignment.fence:
+            self._fence = _fence_from_env(member.assignment.fence)
+        if self._checkpoints is not None and broken:
+            self._checkpoints.abandon()
+        elif self._checkpoints is not None:
+            self._checkpoints.close()
+        if self._ckpt_cfg is not None:
+            self._checkpoints = self._checkpoint_manager()
+
+    def _sync_state(self, live: bool) -> str:
+        """Agree on the state after a re-form: when every rank holds the same step live,
+        nothing moves ("live"); otherwise the holders of the newest state write it to
+        their snapshot and the usual resume runs (a joiner receives it from a peer)."""
+        offer = (self._round_of_state, self.step) if live else None
+        offers: list[Any] = [None] * self.world_size
+        if not self._guarded(lambda: dist.all_gather_object(offers, offer)):
+            raise RecoveryError("A peer failed while the group agreed on its state.")
+        if live and all(o == offer for o in offers):
+            source = "live"
+        else:
+            newest = max((tuple(o) for o in offers if o is not None), default=None)
+            stale = not live or newest is None or tuple(offer or ()) < newest
+            if not stale:
+                self._jit.write_live(self.step)
+            self._resume(stale_live=live and stale)
+            source = self.resumed_from
+        self._round_of_state = self._round
+        self._jit.keep_boundary(self.step)
+        return source
+
+    def _guarded(self, fn: Any) -> bool:
+        try:
+            fn()
+            return True
+        except RuntimeError as exc:
+            logger.warning("A collective failed: %s", exc)
+            return False
+
     # -- after each step --------------------------------------------------------------------
 
     def _after_step(self, final: bool = False) -> None:
@@ -361,6 +582,8 @@ class Run:
     def _agree_stop(self) -> bool:
         """Whether the group stops after this step; also agrees whether that stop needs a
         persisted checkpoint (any rank's vote, see :meth:`_persist_vote`)."""
+        if self._member is not None:
+            return self._agree_in_place()
         if self._ctl is None:
             self._persist_on_stop = self._persist_vote()
             return self._stop
@@ -368,6 +591,42 @@ class Run:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl)
         self._persist_on_stop = bool(flags[1].item())
         return bool(flags[0].item())
+
+    def _agree_in_place(self) -> bool:
+        """One all-reduce: does anyone stop, does everyone (the job ends), and the newest
+        round any rank has heard of. A partial stop (a planned leave) or a newer round
+        re-forms the group in place; the leaving ranks exit."""
+        member = self._member
+        assert member is not None
+        stop, ready = int(self._stop), int(member.ready_to_switch())
+        flags = torch.tensor([stop, -stop, ready, -ready], dtype=torch.int64)
+        if not member.guard.run(
+            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        ):
+            raise _Reform  # this step is complete: the re-form keeps it
+        any_stop, all_stop = bool(flags[0].item()), flags[1].item() == -1
+        self._persist_on_stop = True
+        if any_stop and all_stop:
+            return True
+        if any_stop and self._stop:
+            self._leave()
+        if any_stop or flags[3].item() == -1:  # a peer left, or a new round is ready
+            raise _Reform
+        return False
+
+    def _leave(self) -> None:
+        """This rank leaves a group that goes on without it: its peers keep the state."""
+        logger.info("Leaving the group at step %d; the others go on in place.", self.step)
+        self._jit.wait()
+        self._jit.close()
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+        self._restore_signals()
+        self._store.close()
+        if self._member is not None:
+            self._member.close()
+        groups.drop_world()
+        raise SystemExit(reform.OK)
 
     def _persist_vote(self) -> bool:
         """Yes unless our agent stops us to re-form and keeps our memory snapshot."""
@@ -413,6 +672,11 @@ class Run:
         self._restore_signals()
 
     @property
+    def round(self) -> int:
+        """The rendezvous round whose group this rank trains in (0 without a fence)."""
+        return self._round
+
+    @property
     def snapshot_stats(self) -> dict[str, float]:
         """Counts and seconds spent on snapshots (``sync_s`` on the training thread)."""
         return dict(self._snapshots.stats)
@@ -455,13 +719,19 @@ def _exact(sampler: Any) -> Any:
     return sampler
 
 
-def _fence_from_env() -> Any:
-    if not os.environ.get(env.FENCE):
+def _fence_from_env(value: str | None = None) -> Any:
+    """The commit fence from the environment, or from ``value`` (a round's FenceSpec JSON)."""
+    raw = value if value is not None else os.environ.get(env.FENCE)
+    if not raw:
         return None
     from elastic.rendezvous.fence import FenceSpec, RoundFence
 
-    spec = FenceSpec.from_env()
+    spec = FenceSpec.from_env({env.FENCE: raw})
     return RoundFence(spec) if spec is not None else None
+
+
+def _round_of(fence: Any) -> int:
+    return int(getattr(fence, "round", 0) or 0)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -353,6 +353,10 @@ class AnnounceRendezvousHandler(RendezvousHandler):
     def get_backend(self) -> str:
         return "etcd-v3"
 
+    # Each round's bootstrap store is hosted by an agent (rank 0's), so running workers can
+    # form a new round's group through it: in-place re-forms (elastic.inplace).
+    hosts_round_store = True
+
     @property
     def use_agent_store(self) -> bool:
         """Whether this node's workers are clients of a bootstrap store its agent hosts

@@ -1,0 +1,83 @@
+"""The one door to torch's c10d internals for in-place re-forms: form, drop and swap groups.
+
+A re-formed group is a *new* gloo process group made through the new round's bootstrap
+store, swapped in as the default group; DDP follows with ``_update_process_group``. The
+old group is dropped from torch's bookkeeping without ``shutdown()``: a collective stuck on
+a frozen peer keeps one gloo thread until the group's :data:`TIMEOUT`, and joining it
+would block the re-form (measured: a destroyed group with a stuck all-reduce hung the
+next step). Dropped groups are kept referenced (:data:`_DROPPED`), never destroyed.
+
+torch 2.14's own ``_reconfigure`` is not used: its gloo handle is the rank and address of
+the store given at ``init_process_group`` (``gloo:<rank>:-1:<rank>:<host>:<port>``), so it
+stops working once that store's host, rank 0's agent of the first round, is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT = timedelta(minutes=5)  # of an in-place group: bounds how long a stuck op lives on
+KEY_PREFIX = "elastic/inplace"
+_DROPPED: list[Any] = []
+
+
+def init_alone(backend: str = "gloo") -> None:
+    """A default group of this process alone (DDP can be built; ``Run`` joins the job)."""
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
+
+
+def drop_world() -> None:
+    """Forget every process group as ``destroy_process_group`` does, but without
+    ``shutdown()`` (it would wait for a collective stuck on a frozen peer)."""
+    if not dist.is_initialized():
+        return
+    world = c10d._world
+    _DROPPED.extend(list(world.pg_map))
+    c10d._update_default_pg(None)
+    for table in (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    ):
+        table.clear()
+    c10d._unregister_all_process_groups()
+    world.group_count = 0
+
+
+def form(
+    round_: int, rank: int, world_size: int, host: str, port: int, backend: str = "gloo"
+) -> float:
+    """Drop the current groups and form round ``round_``'s default group through its
+    bootstrap store at ``host:port``; returns the seconds it took."""
+    started = time.perf_counter()
+    drop_world()
+    store = dist.PrefixStore(f"{KEY_PREFIX}/{round_}/", client(host, port))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    return time.perf_counter() - started
+
+
+def client(host: str, port: int) -> dist.TCPStore:
+    """A client of a round's bootstrap store."""
+    return dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT, use_libuv=True)
+
+
+def side_group() -> dist.ProcessGroup:
+    """A gloo group of every rank, for a thread of its own (background checkpoints)."""
+    group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
+__all__ = ["KEY_PREFIX", "TIMEOUT", "client", "drop_world", "form", "init_alone", "side_group"]

@@ -1,0 +1,98 @@
+"""A user's own DDP script on elastic.Run (not our worker): AdamW, a cosine LR schedule and a
+constant global batch, in float64 so that runs at different world sizes agree to ~1e-12.
+
+Each rank appends one JSON line per step attempt to ``<out>/steps.jsonl``: step, round,
+rank, world size, pid and the sample indices it trained on; rank 0 writes the final model
+to ``<out>/final.pt``. Without ``WORLD_SIZE`` in the environment it runs alone (the
+fault-free reference).
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import elastic
+
+
+class Indexed(Dataset):
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=gen, dtype=torch.float64)
+        self.y = (self.x[:, :4].sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--samples", type=int, default=240)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--ckpt", default=None)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        elastic.init_process_group()
+    torch.manual_seed(0)
+    dataset = Indexed(args.samples)
+    sampler = None
+    if distributed:
+        sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.global_batch, sampler=sampler, shuffle=False)
+    net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2)).double()
+    model = DDP(net) if distributed else net
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    total = args.epochs * (args.samples // args.global_batch)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    run = elastic.Run(
+        model,
+        optimizer,
+        scheduler,
+        sampler,
+        checkpoint_url=args.ckpt,
+        global_batch_size=args.global_batch,
+    )
+    with open(out / "steps.jsonl", "a", buffering=1) as log:
+        for _epoch in run.epochs(args.epochs):
+            for x, y, idx in run.batches(loader):
+                record = {
+                    "step": run.step,
+                    "round": run.round,
+                    "rank": run.rank,
+                    "world": run.world_size,
+                    "pid": os.getpid(),
+                    "idx": idx.tolist(),
+                }
+                log.write(json.dumps(record) + "\n")
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                time.sleep(args.step_delay)
+    if run.rank == 0:
+        torch.save(net.state_dict(), out / "final.pt")
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
