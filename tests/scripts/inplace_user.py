@@ -53,9 +53,8 @@ def main() -> None:
         elastic.init_process_group()
     torch.manual_seed(0)
     dataset = Indexed(args.samples)
-    sampler = None
-    if distributed:
-        sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
+    alone = {} if distributed else {"num_replicas": 1, "rank": 0}
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True, **alone)
     loader = DataLoader(dataset, batch_size=args.global_batch, sampler=sampler, shuffle=False)
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 2)).double()
     model = DDP(net) if distributed else net
