@@ -231,7 +231,7 @@ class NodeAgent(LocalElasticAgent):
     def _wait_for_worker_exit(self, timeout: float) -> None:
         """Sleep up to ``timeout`` seconds, waking as soon as a worker process ends (and
         every :data:`WAITING_TICK_S` while a worker waits for a new round)."""
-        if any(r.waiting for r in self._registrations()):
+        if getattr(self, "_worker_group", None) and any(r.waiting for r in self._registrations()):
             timeout = min(timeout, WAITING_TICK_S)
         with contextlib.ExitStack() as stack:
             handles = _exit_handles(getattr(self, "_pcontext", None), stack)

@@ -137,12 +137,13 @@ class StepGuard:
                 return
 
     def _skipping(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        # wraps() keeps the marks torch's LR schedulers put on optimizer.step
+        @functools.wraps(step)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if self.failure is not None:
                 return None  # the gradients are not the group's: keep the last state
             return step(*args, **kwargs)
 
-        guarded.__wrapped__ = step  # type: ignore[attr-defined]
         return guarded
 
     def _skipping_method(self, step: Callable[..., Any]) -> Callable[..., Any]:

@@ -500,7 +500,7 @@ class Run:
         self._round = member.assignment.round
         self._jit.round = self._round
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            self.model._update_process_group(dist.group.WORLD)
+            groups.update_ddp(self.model)
         if self.sampler is not None and hasattr(self.sampler, "num_replicas"):
             self.sampler.num_replicas, self.sampler.rank = self.world_size, self.rank
         if self._loader is not None:

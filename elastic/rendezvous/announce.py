@@ -751,6 +751,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._outage(None)
 
     def _probe_watched(self) -> None:
+        unready: list[Member] = []
         with self._cond:
             if self._closer:
                 others = [m for m in self._members.values() if m.name != self._name]
@@ -770,7 +771,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             return
         pairs = [(m.name, m.addr) for m in targets]
         self._detector.verify(pairs)
-        dead = set(self._detector.dead(pairs))
+        suspects = [m.name for m in unready] if self._closer else []
+        dead = set(self._detector.dead(pairs, recheck=suspects))
         for member in targets:
             if member.name in dead:
                 self._reap(member)
@@ -1084,6 +1086,10 @@ class AnnounceRendezvousHandler(RendezvousHandler):
                     elif (member := decode_member(event.kv, self._keys.members)) is not None:
                         self._members[name] = member
                         self._ports[name] = member.probe
+                        if member.name in self._doc.get("members", {}):
+                            # A member asks for a new round: probe the ones that still run
+                            # the old one now (one may be dead), not at the next tick.
+                            self._probe_now.set()
                 now = self._last_change = time.monotonic()
                 action, left = self._decide(now)
                 if action != before or before == "publish":

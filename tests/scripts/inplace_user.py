@@ -80,10 +80,10 @@ def main() -> None:
                     "pid": os.getpid(),
                     "idx": idx.tolist(),
                 }
-                log.write(json.dumps(record) + "\n")
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
+                log.write(json.dumps(record) + "\n")
                 optimizer.step()
                 scheduler.step()
                 time.sleep(args.step_delay)
