@@ -20,6 +20,7 @@ JOIN_TIMEOUT_S = 300.0  # how long a worker waits for the agent's next round bef
 ASK_AFTER_S = 2.0  # a failed step with no new round after this long asks the agent for one
 
 READY_PREFIX = "elastic/ready"  # <round>/<rank>: that rank can form the round now
+NOT_YET, READY, BROKEN = 0, 1, 2  # a rank's vote on moving to a newer round
 _alone = False  # set by elastic.init_process_group: this process's group awaits Run's join
 
 
@@ -44,6 +45,8 @@ class Member:
         self.watcher = Watcher(prefix, self.guard.abort)
         self.assignment: Assignment | None = None
         self._ready: tuple[int, Any] | None = None  # (round, its store client)
+        # Known to the agent from now on: a newer round reaches us even mid-join.
+        channel.register(prefix, Registration(os.getpid(), -1))
 
     @classmethod
     def from_env(cls) -> Member | None:
@@ -62,19 +65,24 @@ class Member:
         newest = self.watcher.newest
         return newest.round if newest is not None else -1
 
-    def ready_to_switch(self) -> bool:
-        """Whether a newer round's every rank is ready to form (a join: the survivors train
-        on in the old group until the joiner's process reaches ``Run``)."""
+    def switch_vote(self) -> int:
+        """This rank's vote on moving to a newer round at this step boundary (a join: the
+        survivors train on in the old group until the joiner's process reaches ``Run``):
+        :data:`READY` when every rank of it is ready, :data:`BROKEN` when this rank cannot
+        reach its store (it must restart), else :data:`NOT_YET`."""
         a = self.watcher.newest
         if a is None or a.pending or a.round <= self.round:
-            return False
+            return NOT_YET
         try:
             store = self._ready_store(a)
-            keys = [f"{READY_PREFIX}/{a.round}/{r}" for r in range(a.world_size)]
-            return bool(store.check(keys))
-        except Exception as exc:  # the store is gone: the round will fail and re-form
-            logger.warning("Cannot read round %d's store: %s", a.round, exc)
-            return True
+        except Exception as exc:
+            logger.warning("Cannot reach the store of round %d: %s", a.round, exc)
+            return BROKEN
+        keys = [f"{READY_PREFIX}/{a.round}/{r}" for r in range(a.world_size)]
+        try:
+            return READY if store.check(keys) else NOT_YET
+        except Exception:  # its host is gone: a newer round replaces it
+            return NOT_YET
 
     def _ready_store(self, a: Assignment) -> Any:
         if self._ready is None or self._ready[0] != a.round:
@@ -93,9 +101,9 @@ class Member:
             RecoveryError: no round came within ``timeout``, or its group could not form.
         """
         started = time.perf_counter()
-        got = self._wait(timeout, failed)
+        deadline = time.monotonic() + timeout
+        got = self._all_ready(self._wait(timeout, failed), deadline)
         waited = time.perf_counter() - started
-        self._ready_store(got)
         try:
             formed = groups.form(
                 got.round, got.rank, got.world_size, got.master_addr, got.master_port
@@ -110,6 +118,51 @@ class Member:
         self.watcher.joined(got.round)
         channel.register(self.prefix, Registration(os.getpid(), got.round))
         return got, waited, formed
+
+    def _all_ready(self, got: Assignment, deadline: float) -> Assignment:
+        """Wait until every rank of ``got``'s round is ready to form it; a newer round (a
+        rank of this one failed before it was ready, or left) replaces it.
+
+        Raises:
+            RecoveryError: the round's store cannot be reached, or the deadline passed.
+        """
+        while True:
+            try:
+                store = self._ready_store(got)
+            except Exception as exc:
+                raise RecoveryError(
+                    f"The store of round {got.round} at {got.master_addr}:{got.master_port} "
+                    f"cannot be reached ({exc}); the worker restarts and resumes from memory."
+                ) from exc
+            keys = [f"{READY_PREFIX}/{got.round}/{r}" for r in range(got.world_size)]
+            newer = self._poll_ready(store, keys, got.round, deadline)
+            if newer is None:
+                return got
+            logger.info(
+                "Round %d was replaced by round %d before it formed.", got.round, newer.round
+            )
+            got = newer
+
+    def _poll_ready(
+        self, store: Any, keys: list[str], round_: int, deadline: float
+    ) -> Assignment | None:
+        """None once every key is set; a newer complete assignment if one comes first."""
+        while True:
+            try:
+                if store is not None and store.check(keys):
+                    return None
+            except Exception as exc:  # its host is gone: only a newer round can come
+                logger.info("The store of round %d went away (%s).", round_, exc)
+                store = None
+            newer = self.watcher.newest
+            if newer is not None and not newer.pending and newer.round > round_:
+                return newer
+            if time.monotonic() > deadline:
+                raise RecoveryError(
+                    f"Not every rank of round {round_} became ready in time; the worker "
+                    "restarts and resumes from memory."
+                )
+            time.sleep(channel.POLL_S)
 
     def _wait(self, timeout: float, failed: bool) -> Assignment:
         after = self.round
@@ -137,4 +190,13 @@ class Member:
             channel.paths(self.prefix)[1].unlink()
 
 
-__all__ = ["ASK_AFTER_S", "JOIN_TIMEOUT_S", "Member", "mark_alone", "offered"]
+__all__ = [
+    "ASK_AFTER_S",
+    "BROKEN",
+    "JOIN_TIMEOUT_S",
+    "NOT_YET",
+    "READY",
+    "Member",
+    "mark_alone",
+    "offered",
+]

@@ -42,7 +42,7 @@ from elastic import env, events, reform
 from elastic.errors import RecoveryError
 from elastic.inplace import groups
 from elastic.inplace.channel import Assignment
-from elastic.inplace.member import Member
+from elastic.inplace.member import BROKEN, READY, Member
 from elastic.recovery import exchange
 from elastic.recovery.codec import from_json, to_json
 from elastic.recovery.jit import AUTO, Every, StepSnapshots, stable_ptrs
@@ -598,19 +598,23 @@ class Run:
         re-forms the group in place; the leaving ranks exit."""
         member = self._member
         assert member is not None
-        stop, ready = int(self._stop), int(member.ready_to_switch())
-        flags = torch.tensor([stop, -stop, ready, -ready], dtype=torch.int64)
+        stop, vote = int(self._stop), member.switch_vote()
+        ready, broken = int(vote == READY), int(vote == BROKEN)
+        flags = torch.tensor([stop, -stop, broken, -ready], dtype=torch.int64)
         if not member.guard.run(
             lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
         ):
             raise _Reform  # this step is complete: the re-form keeps it
         any_stop, all_stop = bool(flags[0].item()), flags[1].item() == -1
+        if broken:  # this rank cannot join the new round: restart it, the others go on
+            self._fall_back(RecoveryError("This rank cannot reach the new round's store."))
         self._persist_on_stop = True
         if any_stop and all_stop:
             return True
         if any_stop and self._stop:
             self._leave()
-        if any_stop or flags[3].item() == -1:  # a peer left, or a new round is ready
+        # A peer leaves or cannot join (it restarts), or every rank of a new round is ready.
+        if any_stop or flags[2].item() or flags[3].item() == -1:
             raise _Reform
         return False
 

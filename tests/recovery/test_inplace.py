@@ -150,3 +150,64 @@ def test_user_script_reforms_in_place(cluster: LocalCluster, tmp_path: Path) -> 
     final = torch.load(out / "final.pt")
     expected = torch.load(ref / "final.pt")
     assert _relative_l2(final, expected) < BOUND
+
+
+def _check_result(cluster: LocalCluster, out: Path, ref: Path, epochs: int) -> None:
+    """No completed step redone, each sample once per epoch, the fault-free final model."""
+    steps = [e["step"] for e in cluster.steps()]
+    assert steps == sorted(set(steps)), "a completed step was redone"
+    kept = _kept(_records(out))
+    assert sorted(kept) == list(range(epochs * STEPS_PER_EPOCH))
+    for epoch in range(epochs):
+        window = range(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH)
+        assert sorted(i for s in window for i in kept[s]) == list(range(SAMPLES)), epoch
+    final, expected = torch.load(out / "final.pt"), torch.load(ref / "final.pt")
+    assert _relative_l2(final, expected) < BOUND
+
+
+def _reference(ref: Path, epochs: int) -> None:
+    argv = [sys.executable, str(SCRIPT), *_args(ref), f"--epochs={epochs}"]
+    done = subprocess.run(argv, env=node_env(), capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_failure_inside_optimizer_step_restarts_that_rank(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Rank 1 fails inside optimizer.step() after changing a parameter: its state is
+    torn, so it never serves it; its agent restarts it, the others stay in place and
+    stream it their state. 0 completed steps lost."""
+    epochs = 10
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    _reference(ref, epochs)
+    worker = [str(SCRIPT), *_args(out), f"--epochs={epochs}", "--step-delay=0.05"]
+    worker.append("--fail-in-step=1:40")
+    nodes = [cluster.start(name, worker=worker) for name in "ab"]
+    assert all(n.wait(600) == 0 for n in nodes), cluster.logs()
+    assert (out / "failed-in-step").exists(), "the constructed failure did not happen"
+    assert [e for e in cluster.events("worker.restart") if e["reason"] == "failure"]
+    pids = {r["pid"] for r in _records(out)}
+    assert len(pids) == 3, f"expected one restarted worker, got pids {pids}"
+    resumed = [e for e in cluster.events("recovery.resume") if e["step"] >= 40]
+    assert resumed and all(e["source"] in ("memory", "peer") for e in resumed), resumed
+    _check_result(cluster, out, ref, epochs)
+
+
+def test_failed_reform_falls_back_to_a_restart(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Rank 0 cannot reach the new round's store when a third node joins: it snapshots,
+    exits 75 and restarts; the others take the next round in place. 0 steps lost."""
+    epochs = 12
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    _reference(ref, epochs)
+    worker = [str(SCRIPT), *_args(out), f"--epochs={epochs}", "--step-delay=0.05"]
+    a = cluster.start("a", worker=[*worker, "--break-store=0"])
+    b = cluster.start("b", worker=worker)
+    cluster.wait_for(lambda: [e for e in cluster.steps() if e["world_size"] == 2], "world 2", 240)
+    c = cluster.start("c", worker=worker)
+    assert all(n.wait(600) == 0 for n in (a, b, c)), cluster.logs()
+    fallbacks = cluster.events("recovery.fallback")
+    assert fallbacks, "the constructed re-form failure did not happen"
+    assert not [e for e in cluster.events("worker.restart") if e["reason"] == "failure"]
+    pids = {r["pid"] for r in _records(out)}
+    assert len(pids) == 4, f"expected one restarted worker, got pids {pids}"
+    _check_result(cluster, out, ref, epochs)

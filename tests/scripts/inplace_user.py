@@ -5,6 +5,11 @@ Each rank appends one JSON line per step attempt to ``<out>/steps.jsonl``: step,
 rank, world size, pid and the sample indices it trained on; rank 0 writes the final model
 to ``<out>/final.pt``. Without ``WORLD_SIZE`` in the environment it runs alone (the
 fault-free reference).
+
+Constructed failures (each once per job, marked by a file in ``<out>``):
+``--fail-in-step=R:S`` makes rank R fail inside ``optimizer.step()`` at step S, after it
+changed a parameter (a half-applied step); ``--break-store=R`` cuts rank R off every
+round's store from its first re-form on (its in-place re-form fails: it restarts).
 """
 
 import argparse
@@ -44,6 +49,8 @@ def main() -> None:
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt", default=None)
+    p.add_argument("--fail-in-step", default=None, metavar="RANK:STEP")
+    p.add_argument("--break-store", type=int, default=None, metavar="RANK")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,6 +76,10 @@ def main() -> None:
         checkpoint_url=args.ckpt,
         global_batch_size=args.global_batch,
     )
+    if args.fail_in_step:
+        _fail_in_step(optimizer, net, run, out, *map(int, args.fail_in_step.split(":")))
+    if args.break_store is not None and run.rank == args.break_store:
+        _break_store(out)
     with open(out / "steps.jsonl", "a", buffering=1) as log:
         for _epoch in run.epochs(args.epochs):
             for x, y, idx in run.batches(loader):
@@ -91,6 +102,32 @@ def main() -> None:
         torch.save(net.state_dict(), out / "final.pt")
     if distributed:
         dist.destroy_process_group()
+
+
+def _fail_in_step(optimizer, net, run, out: Path, rank: int, step: int) -> None:
+    marker = out / "failed-in-step"
+
+    def pre_hook(*_):
+        if run.rank == rank and run.step == step and not marker.exists():
+            marker.touch()
+            with torch.no_grad():
+                next(net.parameters()).add_(1.0)  # half-applied
+            raise RuntimeError("constructed failure inside optimizer.step()")
+
+    optimizer.register_step_pre_hook(pre_hook)  # after Run's: its step counts as started
+
+
+def _break_store(out: Path) -> None:
+    marker = out / "broke-store"
+    if marker.exists():
+        return
+    marker.touch()
+    from elastic.inplace import groups
+
+    def unreachable(host, port):
+        raise ConnectionRefusedError(f"constructed: {host}:{port} is cut off")
+
+    groups.client = unreachable
 
 
 if __name__ == "__main__":
