@@ -182,6 +182,24 @@ class NodeAgent(LocalElasticAgent):
                 found.append(reg)
         return found
 
+    _left = False  # this agent has left the rendezvous
+
+    def _leave_in_place(self) -> None:
+        """SIGTERM with workers in place: leave the rendezvous now, so that the others
+        re-form at once, and tell our workers to stop (their step in flight is dropped:
+        the others redo it without us) instead of waiting for them to exit first."""
+        handler = self._handler()
+        if handler is None or not self._in_place_ready(self._worker_group):
+            return
+        logger.warning("Leaving the rendezvous before our workers stop (they run in place).")
+        try:
+            handler.leave()
+            self._left = True
+        except Exception as exc:  # the others notice by heartbeat expiry
+            logger.warning("Could not leave the rendezvous: %s", exc)
+        note = Assignment(self._round() + 1, pending=True, abort=True, leave=True)
+        self._assign(self._worker_group, note)
+
     def _workers_ask_for_round(self, handler: MembershipHandler) -> None:
         """A worker whose step failed asks for a new round (once a round)."""
         current = self._round()
@@ -225,6 +243,9 @@ class NodeAgent(LocalElasticAgent):
         self._tick_s, spec.monitor_interval = spec.monitor_interval, 0.0
         try:
             return super()._invoke_run(role)
+        except SignalException:
+            self._leave_in_place()
+            raise
         finally:
             spec.monitor_interval, self._tick_s = self._tick_s, None
 
@@ -316,7 +337,7 @@ class NodeAgent(LocalElasticAgent):
             return super().run(role)
         except SignalException as exc:
             handler = self._handler()
-            if handler is not None:
+            if handler is not None and not self._left:
                 logger.warning("Received %s: leaving the rendezvous.", exc.sigval)
                 try:
                     handler.leave()

@@ -61,11 +61,13 @@ Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--json-out PA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,6 +81,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
+from elastic.procs import descendants
 from elastic.rendezvous.options import FAST_FAILOVER_CONF
 from elastic.tools.cluster import (
     C10D,
@@ -103,10 +106,13 @@ MIN_STEP_S = 0.25
 CKPT_INTERVAL = 5
 MAX_STEPS = 2000  # never reached: the bench stops the job after the last event
 STEPS_BETWEEN = 8
-KINDS = ("join", "leave", "kill")
+FREEZE_S = 10  # how long a frozen node stays frozen before SIGCONT
+KINDS = ("join", "leave", "kill", "freeze", "thaw")
 _COMMON = {"nnodes": "1:3", "max_restarts": 10, "monitor_interval": 0.3, "join_timeout": 120}
 LAUNCHERS = {  # name -> how its nodes start
     "ours": AgentOptions(**_COMMON),
+    "user-inplace": AgentOptions(**_COMMON),
+    "user-restart": AgentOptions(**_COMMON),
     "c10d-tuned": AgentOptions(
         torchrun=True, backend=C10D, rdzv_conf=FAST_FAILOVER_CONF, **_COMMON
     ),
@@ -114,9 +120,21 @@ LAUNCHERS = {  # name -> how its nodes start
 }
 
 
+# A user's own script on elastic.Run (examples/train_ddp.py), paced like our worker:
+# in place (elastic.init_process_group) or with its own dist.init_process_group (restarts).
+USER_SCRIPT = [str(REPO / "examples" / "train_ddp.py"), "--epochs=100000", "--samples=256"]
+SCRIPTS = {
+    "user-inplace": [*USER_SCRIPT, f"--step-delay={MIN_STEP_S}", "--in-place"],
+    "user-restart": [*USER_SCRIPT, f"--step-delay={MIN_STEP_S}"],
+}
+
+
 def make_cluster(name: str, run_dir: Path) -> LocalCluster:
     """A cluster of launcher ``name`` in ``run_dir`` (ours: with its own etcd)."""
     options = LAUNCHERS[name]
+    script = SCRIPTS.get(name)
+    if script is not None:
+        script = [*script, f"--ckpt={run_dir / 'ckpt'}"]
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if options.backend == C10D else {}
     return LocalCluster(
         run_dir,
@@ -131,6 +149,7 @@ def make_cluster(name: str, run_dir: Path) -> LocalCluster:
         },
         env=agent_env(LOGLEVEL="INFO", PYTHONPATH=pythonpath(), **extra),
         cwd=REPO,
+        script=script,
     )
 
 
@@ -214,6 +233,30 @@ def scenario(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
     )
 
 
+def freeze(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
+    """n1 and n2 train; n2 is frozen (SIGSTOP of its agent and worker: a hung host), then
+    thawed after :data:`FREEZE_S` (SIGCONT): does it rejoin?"""
+    start_pair(cluster, ("n1", "n2"), STEPS_BETWEEN, timeout)
+    node = cluster.nodes["n2"]
+    pids = [node.pid, *descendants(node.pid)]
+    stop = functools.partial(_signal_all, pids, signal.SIGSTOP)
+    entry, first = measure(cluster, "freeze", "n2", 1, stop, timeout)
+    if first is not None:
+        _annotate(cluster, entry, first)
+    cluster.wait_for(lambda: time.time() - entry["t"] >= FREEZE_S, "the freeze", FREEZE_S + 5)
+    thaw = functools.partial(_signal_all, pids, signal.SIGCONT)
+    back, again = measure(cluster, "thaw", "n2", 2, thaw, timeout)
+    if again is not None:
+        _annotate(cluster, back, again)
+    return [entry, back]
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def host_kill(cluster: LocalCluster, timeout: float) -> dict[str, Any]:
     """Kill -9 the first node (under c10d: the rendezvous store host); does the other go on?"""
     start_pair(cluster, ("n1", "n2"), STEPS_BETWEEN, timeout)
@@ -238,14 +281,24 @@ def host_kill(cluster: LocalCluster, timeout: float) -> dict[str, Any]:
     return entry
 
 
+def _worker_processes(cluster: LocalCluster) -> int:
+    if not cluster.event_log.exists():
+        return 0
+    evs = cluster.events()
+    agents = {e["pid"] for e in evs if e["kind"].startswith(("rdzv.", "node.", "worker."))}
+    return len({e["pid"] for e in evs} - agents)
+
+
 def run_one(
     name: str,
     base: Path,
     event_timeout: float,
     keep: bool,
     body: Callable[[LocalCluster, float], Any],
-) -> tuple[Any, LocalCluster, float, str | None]:
-    """Run ``body`` on a fresh cluster in its own dir; always kill what it started."""
+) -> tuple[Any, LocalCluster, float, str | None, int]:
+    """Run ``body`` on a fresh cluster in its own dir; always kill what it started. Returns
+    its result, the cluster, seconds, the error (a wait that timed out) and how many worker
+    processes ran (every pid in the event log but the agents')."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
     cluster = make_cluster(name, run_dir)
     started = time.time()
@@ -257,22 +310,31 @@ def run_one(
     except WaitTimeout as exc:
         error = str(exc)
     finally:
+        restarts = _worker_processes(cluster)
         cluster.close()
         if not keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    return result, cluster, round(time.time() - started, 1), error
+    return result, cluster, round(time.time() - started, 1), error, restarts
 
 
-def scenario_result(name: str, base: Path, args: argparse.Namespace) -> dict[str, Any]:
-    found, cluster, total, error = run_one(name, base, args.event_timeout, args.keep, scenario)
+def scenario_result(
+    name: str, base: Path, args: argparse.Namespace, kind: str = "membership"
+) -> dict[str, Any]:
+    body = scenario if kind == "membership" else freeze
+    found, cluster, total, error, restarts = run_one(
+        name, base, args.event_timeout, args.keep, body
+    )
     evs = found or []
-    ok = error is None and len(evs) == 3 and all(e["recover_s"] is not None for e in evs)
+    want = 3 if kind == "membership" else 2
+    ok = error is None and len(evs) == want and all(e["recover_s"] is not None for e in evs)
     out = {
         "backend": name,
+        "scenario": kind,
         "run_id": cluster.run_id,
         "events": evs,
         "ok": ok,
         "total_s": total,
+        "worker_processes": restarts,
     }
     if error:
         out["error"] = error
@@ -307,6 +369,37 @@ def summarize(results: list[dict[str, Any]], backends: list[str]) -> dict[str, A
             ratio = round(ours / base, 2) if ours is not None and base else None
             summary[f"{kind}_{name}_ratio_ours_over_c10d_tuned"] = ratio
     return summary
+
+
+def spread(results: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
+    """Per backend and event: median, min and max of ``recover_s`` and ``pause_s`` over the
+    runs, the most steps lost, and how many worker processes each run started."""
+    out: dict[str, Any] = {}
+    for backend in backends:
+        mine = [r for r in results if r["backend"] == backend]
+        row: dict[str, Any] = {
+            "runs": len(mine),
+            # in the membership scenario 3 nodes run: 3 means no worker ever restarted
+            "worker_processes_per_run": sorted(r.get("worker_processes", 0) for r in mine),
+        }
+        for kind in KINDS:
+            evs = [e for r in mine for e in r["events"] if e["kind"] == kind]
+            if not evs:
+                continue
+            row[kind] = {
+                "n": len(evs),
+                "steps_lost_max": max(e.get("steps_lost") or 0 for e in evs),
+            }
+            for key in ("recover_s", "pause_s"):
+                vals = sorted(e[key] for e in evs if e.get(key) is not None)
+                if vals:
+                    row[kind][key] = {
+                        "median": round(statistics.median(vals), 2),
+                        "min": vals[0],
+                        "max": vals[-1],
+                    }
+        out[backend] = row
+    return out
 
 
 def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, bool]:
@@ -348,6 +441,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds an event may take before it counts as not recovered",
     )
     p.add_argument("--keep", action="store_true", help="keep run dirs (logs, event logs)")
+    p.add_argument("--freeze", action="store_true", help="also freeze a node (SIGSTOP) and thaw it")
     p.add_argument("--json-out", type=Path, help="also write the JSON here")
     p.add_argument(
         "--merge",
@@ -397,6 +491,7 @@ def report(
         },
         "first_node_kill": host,
         "summary": summary,
+        "spread": spread(results, backends),
         "goals": goals(results, summary),
     }
 
@@ -426,8 +521,13 @@ def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
     try:
         for _ in range(args.repeats):
             results += [scenario_result(b, base, args) for b in backends]
+            if args.freeze:
+                frozen = [b for b in backends if b in ("ours", "user-inplace", "user-restart")]
+                results += [scenario_result(b, base, args, "freeze") for b in frozen]
         for name in [] if args.no_host_kill else ["c10d-tuned", "ours"]:
-            found, cluster, _, error = run_one(name, base, args.event_timeout, args.keep, host_kill)
+            found, cluster, _, error, _ = run_one(
+                name, base, args.event_timeout, args.keep, host_kill
+            )
             found = found or {"recovered": False, "error": error, "run_id": cluster.run_id}
             host.append({"backend": name, **found})
     finally:

@@ -8,8 +8,11 @@ Run it under ``elastic-agent`` (or ``torchrun``)::
 Changed lines against the plain DDP version: 4 (marked ``# elastic``): two added (the
 import, the ``elastic.Run(...)`` line) and two loop headers (``run.epochs(n)`` instead of
 ``range(n)``, ``run.batches(loader)`` instead of ``loader``). torch's DistributedSampler
-stays; the Run gives it an exact mid-epoch resume point. The Run resumes from this
-node's memory, a peer's memory or the checkpoints, snapshots every step and checkpoints
+stays; the Run gives it an exact mid-epoch resume point. With ``--in-place`` a fifth line,
+``elastic.init_process_group()`` instead of ``dist.init_process_group("gloo")``, makes
+membership changes re-form the group inside the running processes (docs/inplace.md). The
+Run resumes from this node's memory, a peer's memory or the checkpoints, snapshots every
+step and checkpoints
 """
 
 import argparse
@@ -48,9 +51,15 @@ def main():
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--ckpt", default="runs/train_ddp", help="checkpoint URL")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds (demos, tests)")
+    parser.add_argument(
+        "--in-place", action="store_true", help="re-form in place: survivors keep their process"
+    )
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.in_place:
+        elastic.init_process_group()  # elastic (in place): instead of dist.init_process_group
+    else:
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     images = torch.randn(args.samples, 3, 32, 32, generator=gen)
@@ -73,7 +82,7 @@ def main():
             optimizer.step()
             scheduler.step()
             time.sleep(args.step_delay)
-        if dist.get_rank() == 0:
+        if run.rank == 0:
             print(f"epoch {epoch} loss {loss.item():.4f} pid {os.getpid()}", flush=True)
 
     dist.destroy_process_group()

@@ -45,6 +45,7 @@ class Assignment:
     fence: str = ""
     pending: bool = False
     abort: bool = False
+    leave: bool = False  # with abort: this node leaves the job (SIGTERM to its agent)
     issued: float = 0.0  # time.time() when the agent wrote it
 
     @classmethod
@@ -148,6 +149,7 @@ class Watcher:
         self._joined_round = -1
         self._stat: tuple[int, int] | None = None
         self._stop = threading.Event()
+        self.leaving = False  # the agent said this node leaves the job
         self._thread = threading.Thread(target=self._loop, name="elastic-channel", daemon=True)
         self._thread.start()
 
@@ -184,7 +186,11 @@ class Watcher:
             fire = got.abort and got.round > max(self._joined_round, self._aborted_round)
             if fire:
                 self._aborted_round = got.round
-        if fire:
+                self.leaving = self.leaving or got.leave
+            self._cond.notify_all()
+        if fire and got.leave:
+            self._on_abort("this node leaves the job")
+        elif fire:
             self._on_abort(f"the agent is forming round {got.round} without a lost peer")
 
     def wait_for(self, after: int, timeout: float) -> Assignment | None:
@@ -195,6 +201,8 @@ class Watcher:
                 a = self._newest
                 if a is not None and a.round > after and not a.pending:
                     return a
+                if self.leaving:
+                    return None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None

@@ -41,6 +41,9 @@ class StepGuard:
         self._pending: dict[int, tuple[torch.futures.Future[Any], Any]] = {}
         self.failure: str | None = None  # why this step failed; None while it is fine
         self.aborted: str | None = None  # the agent's abort, until the group re-forms
+        # optimizer.step() ran in this step: its all-reduce had succeeded, so the step is
+        # complete whatever fails after it (nothing after it is skipped).
+        self.committed = False
 
     # -- state -----------------------------------------------------------------------------
 
@@ -49,6 +52,7 @@ class StepGuard:
         with self._lock:
             self.failure = self.aborted = None
             self._pending = {}
+            self.committed = False
 
     def fail(self, reason: str) -> None:
         with self._lock:
@@ -140,15 +144,17 @@ class StepGuard:
         # wraps() keeps the marks torch's LR schedulers put on optimizer.step
         @functools.wraps(step)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if self.failure is not None:
+            if self.failure is not None and not self.committed:
                 return None  # the gradients are not the group's: keep the last state
-            return step(*args, **kwargs)
+            out = step(*args, **kwargs)
+            self.committed = True
+            return out
 
         return guarded
 
     def _skipping_method(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(owner: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.failure is not None:
+            if self.failure is not None and not self.committed:
                 return None
             return step(owner, *args, **kwargs)
 

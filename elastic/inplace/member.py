@@ -57,6 +57,11 @@ class Member:
         return cls(os.environ[env.CHANNEL])
 
     @property
+    def leaving(self) -> bool:
+        """Whether the agent said this node leaves the job (it got SIGTERM)."""
+        return self.watcher.leaving
+
+    @property
     def round(self) -> int:
         return self.assignment.round if self.assignment is not None else -1
 
@@ -157,6 +162,8 @@ class Member:
             newer = self.watcher.newest
             if newer is not None and not newer.pending and newer.round > round_:
                 return newer
+            if self.leaving:
+                raise RecoveryError("This node leaves the job.")
             if time.monotonic() > deadline:
                 raise RecoveryError(
                     f"Not every rank of round {round_} became ready in time; the worker "
@@ -177,6 +184,8 @@ class Member:
                 self.prefix, Registration(os.getpid(), after, want_round=True, waiting=True)
             )
             got = self.watcher.wait_for(after, max(timeout - ASK_AFTER_S, 0.0))
+        if got is None and self.leaving:
+            raise RecoveryError("This node leaves the job.")
         if got is None:
             raise RecoveryError(
                 f"The agent formed no round after round {after} within {timeout:.0f} s; the "

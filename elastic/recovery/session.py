@@ -227,11 +227,17 @@ class Run:
         self.epoch, self.consumed = self.epoch + 1, 0
 
     def _finish_step(self, final: bool = False) -> None:
-        """Count the step just run, unless its collectives failed (in place: then the
-        state of the last completed step is restored and the group re-forms)."""
-        if self._member is not None and self._member.guard.failure is not None:
+        """Count the step just run, unless its collectives failed before the optimizer
+        stepped (in place: then the state of the last completed step is restored and the
+        group re-forms; a step whose optimizer stepped is complete and counts)."""
+        guard = self._member.guard if self._member is not None else None
+        if guard is not None and guard.failure is not None and not guard.committed:
+            if self._stop or self._member.leaving:  # type: ignore[union-attr]
+                self._leave()  # the step in flight was this node's last
             self._rewind()
             raise _Reform
+        if guard is not None:
+            guard.committed = False
         if self._in_batches:
             self.consumed += self._batch * self.world_size
         self._after_step(final=final)
@@ -435,6 +441,8 @@ class Run:
             self._on_new_group(broken)
             synced = self._sync_state(live=True)
         except (RecoveryError, RuntimeError) as exc:
+            if self._stop or member.leaving:
+                self._leave()
             self._fall_back(exc)
         self.reforms += 1
         seconds = time.perf_counter() - started
@@ -598,7 +606,7 @@ class Run:
         re-forms the group in place; the leaving ranks exit."""
         member = self._member
         assert member is not None
-        stop, vote = int(self._stop), member.switch_vote()
+        stop, vote = int(self._stop or member.leaving), member.switch_vote()
         ready, broken = int(vote == READY), int(vote == BROKEN)
         flags = torch.tensor([stop, -stop, broken, -ready], dtype=torch.int64)
         if not member.guard.run(
@@ -611,7 +619,7 @@ class Run:
         self._persist_on_stop = True
         if any_stop and all_stop:
             return True
-        if any_stop and self._stop:
+        if any_stop and (self._stop or member.leaving):
             self._leave()
         # A peer leaves or cannot join (it restarts), or every rank of a new round is ready.
         if any_stop or flags[2].item() or flags[3].item() == -1:

@@ -223,6 +223,7 @@ class LocalCluster:
         env: the agents' environment (default :func:`agent_env`); the event log is added.
         cwd: the agents' working directory.
         say: where progress lines go (``print`` for a person; nothing by default).
+        script: a user's script and its arguments, run instead of our worker.
     """
 
     def __init__(
@@ -238,7 +239,9 @@ class LocalCluster:
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
         say: Callable[[str], None] | None = None,
+        script: Sequence[str] | None = None,
     ) -> None:
+        self.script = list(script) if script is not None else None
         self.run_dir = run_dir
         self.run_id = run_id or f"run-{uuid.uuid4().hex[:10]}"
         self.endpoint = endpoint
@@ -302,7 +305,10 @@ class LocalCluster:
     # -- nodes ----------------------------------------------------------------------------
 
     def worker_argv(self, overrides: Mapping[str, Any] | None = None) -> list[str]:
-        """``-m elastic.training.worker --config CONFIG`` with this run's overrides."""
+        """``-m elastic.training.worker --config CONFIG`` with this run's overrides (or the
+        user's ``script``, when the cluster has one)."""
+        if self.script is not None:
+            return list(self.script)
         if self.config is None:
             raise ValueError("This cluster has no worker config; pass worker= to start().")
         values = {

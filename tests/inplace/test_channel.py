@@ -1,0 +1,62 @@
+"""elastic.inplace.channel: the agent's assignments and the worker's registrations."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from elastic.inplace import channel
+from elastic.inplace.channel import Assignment, Registration, Watcher
+
+
+def test_assignments_and_registrations_round_trip(tmp_path: Path) -> None:
+    prefix = tmp_path / "ch"
+    a = Assignment(3, rank=1, world_size=2, master_addr="127.0.0.1", master_port=5)
+    channel.write_assignment(prefix, a)
+    assert channel.read_assignment(prefix) == a
+    channel.register(prefix, Registration(42, 3, waiting=True))
+    assert channel.read_registration(prefix) == Registration(42, 3, False, True)
+    channel.remove(prefix)
+    assert channel.read_assignment(prefix) is None and channel.read_registration(prefix) is None
+
+
+def test_unreadable_files_read_as_nothing(tmp_path: Path) -> None:
+    prefix = tmp_path / "ch"
+    agent, worker = channel.paths(prefix)
+    agent.write_text("not json")
+    worker.write_text('{"pid": "x"}')
+    assert channel.read_assignment(prefix) is None
+    assert channel.read_registration(prefix) is None
+
+
+def test_the_watcher_aborts_once_per_round_and_waits_for_a_complete_one(tmp_path: Path) -> None:
+    prefix = tmp_path / "ch"
+    channel.write_assignment(prefix, Assignment(1, rank=0, world_size=1))
+    aborts: list[str] = []
+    watcher = Watcher(prefix, aborts.append)
+    try:
+        watcher.joined(1)
+        assert watcher.wait_for(1, 0.05) is None  # nothing newer than round 1
+        channel.write_assignment(prefix, Assignment(2, pending=True, abort=True))
+        threading.Timer(
+            0.1, channel.write_assignment, (prefix, Assignment(2, rank=0, world_size=1))
+        ).start()
+        got = watcher.wait_for(1, 5)
+        assert got is not None and got.round == 2 and not got.pending
+        assert len(aborts) == 1
+    finally:
+        watcher.close()
+
+
+def test_a_leave_note_marks_the_worker_leaving(tmp_path: Path) -> None:
+    prefix = tmp_path / "ch"
+    channel.write_assignment(prefix, Assignment(1, rank=0, world_size=1))
+    aborts: list[str] = []
+    watcher = Watcher(prefix, aborts.append)
+    try:
+        watcher.joined(1)
+        channel.write_assignment(prefix, Assignment(2, pending=True, abort=True, leave=True))
+        assert watcher.wait_for(1, 5) is None  # no round comes for a leaving node
+        assert watcher.leaving and aborts == ["this node leaves the job"]
+    finally:
+        watcher.close()
