@@ -206,11 +206,27 @@ def _annotate(cluster: LocalCluster, entry: dict[str, Any], first: dict[str, Any
     pause is :func:`~elastic.tools.cluster.measure`'s ``pause_s``)."""
     t0 = entry["t"]
     entry.update(_log_phases(cluster, t0, first["ts"]))
+    _inplace_phases(cluster, entry, t0, first["ts"])
     loads = [e for e in cluster.events("ckpt.load") if t0 < e["ts"] <= first["ts"]]
     if loads:
         entry["ckpt_loaded_s"] = round(max(e["ts"] for e in loads) - t0, 2)
         entry["load_s"] = round(max(e["seconds"] for e in loads), 2)
     _derive(entry)
+
+
+def _inplace_phases(cluster: LocalCluster, entry: dict[str, Any], t0: float, t1: float) -> None:
+    """In place, seconds from the event: the agents' round done (``round_s``), the workers
+    re-formed (``reformed_s``: group formed and state agreed), with the slowest worker's
+    wait for the round, group formation and how the state moved (``state``)."""
+    rounds = [e for e in cluster.events("rdzv.inplace") if t0 < e["ts"] <= t1]
+    reforms = [e for e in cluster.events("recovery.inplace") if t0 < e["ts"] <= t1]
+    if rounds:
+        entry["round_s"] = round(max(e["ts"] for e in rounds) - t0, 3)
+        entry["round_took_s"] = max(e["seconds"] for e in rounds)
+    if reforms:
+        entry["reformed_s"] = round(max(e["ts"] for e in reforms) - t0, 3)
+        entry["form_s"] = max(e["form_s"] for e in reforms)
+        entry["state"] = sorted({e["state"] for e in reforms})
 
 
 def _derive(entry: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,10 +51,15 @@ from elastic.recovery.snapshot import DEFAULT_DIR, SnapshotStore
 
 logger = logging.getLogger(__name__)
 B = TypeVar("B")
+REFORM_ATTEMPTS = 3  # rounds a re-form tries while peers keep failing, before it restarts
 
 
 class _Reform(Exception):
     """The group re-forms in place after this step (a round changed, a peer is gone)."""
+
+
+class _Interrupted(RecoveryError):
+    """A re-form was cut short before any state moved (a peer failed): try the next round."""
 
 
 class Run:
@@ -436,14 +441,23 @@ class Run:
         old_round, old_world = self._round, self.world_size
         failed = member.guard.failure is not None and member.guard.aborted is None
         broken = member.guard.aborted is not None or member.guard.failure is not None
-        try:
-            joined, waited, formed = member.join(failed=failed)
-            self._on_new_group(broken)
-            synced = self._sync_state(live=True)
-        except (RecoveryError, RuntimeError) as exc:
-            if self._stop or member.leaving:
-                self._leave()
-            self._fall_back(exc)
+        for attempt in range(REFORM_ATTEMPTS):
+            try:
+                joined, waited, formed = member.join(failed=failed)
+                self._on_new_group(broken)
+                synced = self._sync_state(live=True)
+                break
+            except _Interrupted as exc:  # a peer failed mid-way: its loss makes a new round
+                logger.warning(
+                    "Re-form %d of round %d was interrupted: %s", attempt, member.round, exc
+                )
+                failed = broken = True
+                if attempt + 1 == REFORM_ATTEMPTS:
+                    self._fall_back(exc)
+            except (RecoveryError, RuntimeError) as exc:
+                if self._stop or member.leaving:
+                    self._leave()
+                self._fall_back(exc)
         self.reforms += 1
         seconds = time.perf_counter() - started
         logger.info(
@@ -474,7 +488,7 @@ class Run:
         )
         self._jit.restart_clock()
 
-    def _fall_back(self, exc: BaseException) -> None:
+    def _fall_back(self, exc: BaseException) -> NoReturn:
         logger.warning("The in-place re-form failed (%s); restarting from memory instead.", exc)
         events.emit("recovery.fallback", step=self.step, reason=str(exc)[:300], pid=os.getpid())
         self._jit.failed("the in-place re-form failed")
@@ -527,9 +541,7 @@ class Run:
         nothing moves ("live"); otherwise the holders of the newest state write it to
         their snapshot and the usual resume runs (a joiner receives it from a peer)."""
         offer = (self._round_of_state, self.step) if live else None
-        offers: list[Any] = [None] * self.world_size
-        if not self._guarded(lambda: dist.all_gather_object(offers, offer)):
-            raise RecoveryError("A peer failed while the group agreed on its state.")
+        offers = self._gather_offers(offer)
         if live and all(o == offer for o in offers):
             source = "live"
         else:
@@ -543,13 +555,16 @@ class Run:
         self._jit.keep_boundary(self.step)
         return source
 
-    def _guarded(self, fn: Any) -> bool:
-        try:
-            fn()
-            return True
-        except RuntimeError as exc:
-            logger.warning("A collective failed: %s", exc)
-            return False
+    def _gather_offers(self, offer: tuple[int, int] | None) -> list[tuple[int, int] | None]:
+        """Every rank's ``(round, step)`` of its live state (None: none), as plain integers
+        (nothing a peer sends is unpickled), through the guard (a peer that dies or
+        freezes meanwhile fails the re-form instead of hanging it)."""
+        mine = torch.tensor([*(offer or (-1, -1)), int(offer is not None)], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        assert self._member is not None
+        if not self._member.guard.run(lambda: dist.all_gather(everyone, mine, async_op=True)):
+            raise _Interrupted("A peer failed while the group agreed on its state.")
+        return [(int(t[0]), int(t[1])) if t[2] else None for t in everyone]
 
     # -- after each step --------------------------------------------------------------------
 
@@ -601,9 +616,10 @@ class Run:
         return bool(flags[0].item())
 
     def _agree_in_place(self) -> bool:
-        """One all-reduce: does anyone stop, does everyone (the job ends), and the newest
-        round any rank has heard of. A partial stop (a planned leave) or a newer round
-        re-forms the group in place; the leaving ranks exit."""
+        """One all-reduce: does anyone stop, does everyone (the job ends), can every rank
+        move to the agent's newer round (all ready), can one not (broken). A partial stop (a
+        planned leave), a broken rank or a ready round re-forms the group in place; the
+        leaving ranks exit, a broken one restarts."""
         member = self._member
         assert member is not None
         stop, vote = int(self._stop or member.leaving), member.switch_vote()
@@ -626,7 +642,7 @@ class Run:
             raise _Reform
         return False
 
-    def _leave(self) -> None:
+    def _leave(self) -> NoReturn:
         """This rank leaves a group that goes on without it: its peers keep the state."""
         logger.info("Leaving the group at step %d; the others go on in place.", self.step)
         self._jit.wait()
