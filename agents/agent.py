@@ -333,6 +333,7 @@ class NodeAgent(LocalElasticAgent):
 
     def run(self, role: str = "default") -> Any:
         snapshot.remove_orphans()  # left by agents killed with -9 on this node
+        channel.remove_orphans()
         try:
             return super().run(role)
         except SignalException as exc:

@@ -19,12 +19,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from elastic import procs
 
 DIRECTORY = "/dev/shm"
 POLL_S = 0.005
@@ -136,6 +139,22 @@ def remove(prefix: str | os.PathLike[str]) -> None:
             path.unlink()
 
 
+_NAME = re.compile(r"^elastic-channel-(?P<pid>\d+)-\d+\.(agent|worker)$")
+
+
+def remove_orphans(directory: str = DIRECTORY) -> int:
+    """Remove the channel files of agents that are gone (killed with -9); their count."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            match = _NAME.match(name)
+            if match and not procs.alive(int(match["pid"])):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+                    removed += 1
+    return removed
+
+
 class Watcher:
     """A worker's thread that follows the agent's file and calls ``on_abort`` once for each
     round whose assignment says a peer is gone."""
@@ -223,5 +242,6 @@ __all__ = [
     "read_registration",
     "register",
     "remove",
+    "remove_orphans",
     "write_assignment",
 ]

@@ -60,3 +60,26 @@ def test_a_leave_note_marks_the_worker_leaving(tmp_path: Path) -> None:
         assert watcher.leaving and aborts == ["this node leaves the job"]
     finally:
         watcher.close()
+
+
+def test_orphans_of_dead_agents_are_removed(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    gone = int(dead.stdout)
+    mine = channel.prefix_for(os.getpid(), 0, str(tmp_path))
+    theirs = channel.prefix_for(gone, 0, str(tmp_path))
+    for prefix in (mine, theirs):
+        channel.write_assignment(prefix, Assignment(1))
+    (tmp_path / "unrelated").touch()
+    assert channel.remove_orphans(str(tmp_path)) == 1
+    assert channel.read_assignment(mine) is not None
+    assert channel.read_assignment(theirs) is None
+    assert (tmp_path / "unrelated").exists()
