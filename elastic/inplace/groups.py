@@ -25,9 +25,6 @@ import torch.distributed.distributed_c10d as c10d
 logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=5)  # of an in-place group: bounds how long a stuck op lives on
-# Forming a group waits this long for every rank to connect (they all said they were ready,
-# so only a rank that died in between is missing); then the re-form falls back to a restart.
-FORM_TIMEOUT = timedelta(seconds=30)
 KEY_PREFIX = "elastic/inplace"
 _DROPPED: list[Any] = []
 
@@ -67,10 +64,7 @@ def form(
     started = time.perf_counter()
     drop_world()
     store = dist.PrefixStore(f"{KEY_PREFIX}/{round_}/", client(host, port))
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=FORM_TIMEOUT
-    )
-    dist.set_timeout(TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     return time.perf_counter() - started
 
 
@@ -107,7 +101,6 @@ def side_group() -> dist.ProcessGroup:
 
 
 __all__ = [
-    "FORM_TIMEOUT",
     "KEY_PREFIX",
     "TIMEOUT",
     "client",

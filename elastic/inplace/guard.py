@@ -44,6 +44,9 @@ class StepGuard:
         # optimizer.step() ran in this step: its all-reduce had succeeded, so the step is
         # complete whatever fails after it (nothing after it is skipped).
         self.committed = False
+        # Bumped by reset(): a collective of an older group that fails late (its peer left
+        # long ago) must not fail the step of the current one.
+        self._generation = 0
 
     # -- state -----------------------------------------------------------------------------
 
@@ -53,9 +56,12 @@ class StepGuard:
             self.failure = self.aborted = None
             self._pending = {}
             self.committed = False
+            self._generation += 1
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, generation: int | None = None) -> None:
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return  # a collective of a group that was re-formed away
             if self.failure is None:
                 self.failure = reason
                 logger.warning("This step failed: %s.", reason)
@@ -76,6 +82,7 @@ class StepGuard:
         step) when ``fut`` fails or the guard aborts."""
         out: torch.futures.Future[Any] = torch.futures.Future()
         with self._lock:
+            generation = self._generation
             skip = self.aborted is not None
             if not skip:
                 self._pending[id(out)] = (out, fallback)
@@ -87,7 +94,7 @@ class StepGuard:
             try:
                 value = f.value()
             except Exception as exc:  # the group broke: a peer died
-                self.fail(f"a collective failed ({_first_line(exc)})")
+                self.fail(f"a collective failed ({_first_line(exc)})", generation)
                 value = fallback
             with self._lock:
                 self._pending.pop(id(out), None)

@@ -68,3 +68,12 @@ def test_a_failed_future_fails_the_step() -> None:
     assert guard.failure is not None and "Connection closed by peer" in guard.failure
     guard.reset()
     assert guard.failure is None and guard.aborted is None
+
+
+def test_a_late_failure_of_an_older_group_does_not_fail_the_new_step() -> None:
+    guard = StepGuard()
+    old: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    guard.watch(old, torch.ones(1))
+    guard.reset()  # the group re-formed; the old collective is still pending
+    old.set_exception(RuntimeError("Connection closed by peer"))
+    assert guard.failure is None
