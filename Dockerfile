@@ -54,7 +54,6 @@ RUN set -eux; \
 # The project itself (configs/ stays in /app, the working directory: --config configs/...).
 COPY pyproject.toml README.md /app/
 COPY elastic /app/elastic
-COPY agents /app/agents
 COPY configs /app/configs
 COPY docker/entrypoint.sh /usr/local/bin/elastic-entrypoint
 COPY docker/etcd-init.py /usr/local/bin/elastic-etcd-init

@@ -17,8 +17,8 @@ demo: $(BIN)/elastic
 	$(BIN)/elastic demo
 
 lint: $(BIN)/elastic
-	$(BIN)/ruff check elastic agents tests bench
-	$(BIN)/ruff format --check elastic agents tests bench
+	$(BIN)/ruff check elastic tests bench
+	$(BIN)/ruff format --check elastic tests bench
 	$(BIN)/mypy
 
 # The compose end-to-end test needs Docker: install it (apt, as root) and build the local

@@ -37,7 +37,7 @@ node completed before the first step (more than 1: a spurious extra round).
 An event that does not reach its world size within ``--event-timeout``
 is "not recovered" and ends that run (``ok: false``).
 
-Launchers. ``ours``: ``python -m agents.launch`` (etcd-v3 rendezvous) with
+Launchers. ``ours``: ``python -m elastic.agent.launch`` (etcd-v3 rendezvous) with
 ``profile=fast-failover,join_timeout=120`` (the profile: ``last_call_timeout=1,
 keep_alive_interval=1,keep_alive_max_attempt=3``). ``c10d-tuned``: ``python -m
 torch.distributed.run --rdzv-backend=c10d`` with the same keep-alive and last-call

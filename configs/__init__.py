@@ -1,6 +1,6 @@
-"""The shipped worker configs, importable as ``elastic_configs`` once the project is installed.
+"""The shipped worker configs, importable as ``elastic.configs`` once the project is installed.
 
-pyproject.toml maps this directory to the package ``elastic_configs`` and ships its YAML
+pyproject.toml maps this directory to the package ``elastic.configs`` and ships its YAML
 files as package data, so a wheel install (our Docker image is one) finds them without a
 source checkout: ``config_path("default.yaml")``. In a checkout or an editable install the
 files are the ones in ``configs/``.

@@ -21,7 +21,7 @@ EVENT_LOG = "ELASTIC_EVENT_LOG"  # path of the JSON-lines event log; unset = no 
 CONFIG_PREFIX = "ELASTIC_"  # ELASTIC_<SECTION>__<KEY>=value overrides a config field
 ETCD_BIN = "ELASTIC_ETCD_BIN"  # etcd binary for the embedded server and the tests
 FORK_SERVER_PID = "ELASTIC_FORK_SERVER_PID"  # set by the warm-start fork server for its workers
-WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (see agents.warm)
+WARM_START = "ELASTIC_WARM_START"  # 0 = start each worker as a fresh process (elastic.agent.warm)
 FENCE = "ELASTIC_FENCE"  # JSON FenceSpec the agent hands its workers (commit fencing)
 SECRET_FILE = "ELASTIC_SECRET_FILE"  # per-job secret that signs checkpoint commit markers
 ETCD_PASSWORD = "ELASTIC_ETCD_PASSWORD"  # etcd password; the agent removes it from its env

@@ -2,7 +2,7 @@
 
 An event is one JSON object per line with at least ``ts`` (unix seconds),
 ``kind`` and ``pid``. The kinds, each with its meaning, are :data:`KINDS` (a test
-checks that every kind emitted in ``elastic/`` and ``agents/`` is listed there).
+checks that every kind emitted in ``elastic/`` is listed there).
 The log file comes from ``$ELASTIC_EVENT_LOG``; appends of one short line are
 atomic on POSIX, so many processes may share one file. A write that fails (a full
 disk, a missing directory) is logged once per process and never stops the caller.
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 KINDS: Mapping[str, str] = MappingProxyType(
     {
-        # agents (elastic.rendezvous.handler and .announce, agents.agent)
+        # agents (elastic.rendezvous.handler and .announce, elastic.agent.node)
         "rdzv.round": "an agent completed a rendezvous round: round, node, rank, world_size",
         "rdzv.dropped": "an agent is no longer a participant of its round (outage, missed "
         "heartbeats) and rejoins",

@@ -2,7 +2,7 @@
 
 The agent serves ``/metrics`` over HTTP on port ``N`` (0: one the OS picks; the agent
 prints it). What the agent knows itself (its rendezvous round, the job's restart budget,
-its etcd requests) comes from small hooks in :mod:`agents.agent` and
+its etcd requests) comes from small hooks in :mod:`elastic.agent.node` and
 :meth:`elastic.etcd.client.EtcdClient.call`. What its workers know (step, loss,
 checkpoints) comes from the event log they write (:mod:`elastic.events`): the exporter
 reads the bytes appended since its last look, at every scrape and every agent hook (one
@@ -452,7 +452,7 @@ def start(
 ) -> Exporter | None:
     """Serve this process's agent metrics on ``addr:port`` (0: a free port); None if it failed.
 
-    Makes the hooks of :mod:`agents.agent` and the etcd client record into it.
+    Makes the hooks of :mod:`elastic.agent.node` and the etcd client record into it.
     """
     global _active
     from prometheus_client import start_http_server
@@ -497,7 +497,7 @@ def remove_private_log(directory: str | None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-# -- the hooks of agents.agent: no-ops unless the exporter runs; never raise ------------
+# -- the hooks of elastic.agent.node: no-ops unless the exporter runs; never raise ------------
 
 
 def _record(where: str, fn: Callable[[AgentMetrics], None]) -> None:

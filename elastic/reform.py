@@ -12,11 +12,11 @@ A *re-form* is a change of membership that is not a failure: it costs no restart
    monitor tick: a joiner waiting, a peer gone (crash, cut link, left), or this node dropped.
 3. **Restart without spending the budget.** A worker group whose every failure is
    :data:`EXIT_CODE` re-runs the rendezvous without counting a failure
-   (:class:`agents.agent.NodeAgent`). A warm (forked) worker stopped by a signal also exits
-   :data:`EXIT_CODE` (:func:`agents.warm.run_worker`), since torch would otherwise wait for
+   (:class:`elastic.agent.node.NodeAgent`). A warm (forked) worker stopped by a signal also exits
+   :data:`EXIT_CODE` (:func:`elastic.agent.warm.run_worker`), since torch would otherwise wait for
    its return value.
 4. **A lost peer.** Workers blocked in a collective with a vanished peer cannot hear a stop
-   request: the agent gives them :data:`agents.agent.LOST_PEER_GRACE_S`, then kills them.
+   request: the agent gives them :data:`elastic.agent.node.LOST_PEER_GRACE_S`, then kills them.
 5. **No checkpoint for a re-form.** Before an agent stops its workers to re-form (its node
    stays), it leaves a marker (:func:`marking`) beside the node's snapshots; a worker stopped
    while the marker exists writes its memory snapshot and skips the persisted save, unless a

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from elastic import env
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer, start_etcd
 
@@ -21,15 +20,6 @@ def _private_config_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config-home")))
         yield
-
-
-@pytest.fixture(autouse=True)
-def _no_fence_across_tests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rendezvous handler that completes a round in the test process sets $ELASTIC_FENCE
-    there (for an agent's workers); it must not reach a later test's processes, whose
-    commits would go to that test's (stopped) etcd."""
-    monkeypatch.setenv(env.FENCE, "")
-    monkeypatch.delenv(env.FENCE)  # undone in reverse: back to unset, whatever the test set
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ def agent_argv(
     """An agent's command line running ``worker``: :meth:`AgentOptions.argv` with the
     fields ``options``. The default endpoint has nothing listening (for tests of the
     command line); ``console_script`` starts the ``elastic-agent`` script when this venv
-    has it (else ``python -m agents.launch``, which it runs)."""
+    has it (else ``python -m elastic.agent.launch``, which it runs)."""
     if console_script and ELASTIC_AGENT.exists():
         options["command"] = (str(ELASTIC_AGENT),)
     return AgentOptions(**options).argv(endpoint, run_id, worker)

@@ -18,9 +18,9 @@ EMIT_KIND = re.compile(r"\bemit\(\s*\"([^\"]+)\"")
 
 
 def emitted_kinds() -> dict[str, list[str]]:
-    """Every ``emit("kind", ...)`` in elastic/ and agents/: kind -> where."""
+    """Every ``emit("kind", ...)`` in elastic/: kind -> where."""
     found: dict[str, list[str]] = {}
-    for path in sorted([*(REPO / "elastic").rglob("*.py"), *(REPO / "agents").rglob("*.py")]):
+    for path in sorted((REPO / "elastic").rglob("*.py")):
         if path == REPO / "elastic" / "events.py":
             continue
         source = path.read_text()

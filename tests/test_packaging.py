@@ -25,7 +25,7 @@ import pytest
 from tests.helpers import REPO
 
 # What the wheel is built from (the Dockerfile copies the same).
-SOURCES = ("pyproject.toml", "README.md", "elastic", "agents", "configs")
+SOURCES = ("pyproject.toml", "README.md", "elastic", "configs")
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -91,15 +91,17 @@ def test_wheel_holds_every_module_and_config(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = {
         p.relative_to(REPO).as_posix()
-        for top in ("elastic", "agents")
-        for p in (REPO / top).rglob("*.py")
+        for p in (REPO / "elastic").rglob("*.py")
         if "__pycache__" not in p.parts
     }
     missing = sorted(sources - names)
     assert not missing, f"not in the wheel (list the package in pyproject.toml): {missing}"
-    configs = {f"elastic_configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
+    configs = {f"elastic/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
     assert configs, "no YAML in configs/"
     assert configs <= names, sorted(configs - names)
+    # One import package: nothing that collides with another distribution (``agents``).
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"elastic"}, sorted(tops)
 
 
 def test_installed_wheel_imports_and_validates_shipped_configs(
@@ -107,10 +109,10 @@ def test_installed_wheel_imports_and_validates_shipped_configs(
 ) -> None:
     probe = """
 import json
-import elastic, agents, elastic_configs
+import elastic, elastic.agent, elastic.configs
 import elastic.rendezvous.registry, elastic.tools.cli
 from elastic.training.config import Config, load_config
-from elastic_configs import config_path, names
+from elastic.configs import config_path, names
 found = {}
 for name in names():
     path = config_path(name)
@@ -123,12 +125,12 @@ except FileNotFoundError as exc:
     assert "default.yaml" in str(exc), exc
 else:
     raise AssertionError("config_path('nope') did not raise")
-print(json.dumps({"elastic": elastic.__file__, "agents": agents.__file__,
-                  "configs": elastic_configs.__file__, "found": found}))
+print(json.dumps({"elastic": elastic.__file__, "agent": elastic.agent.__file__,
+                  "configs": elastic.configs.__file__, "found": found}))
 """
     out = json.loads(_run([str(venv / "bin" / "python"), "-c", probe], tmp_path, clean_env))
     prefix = str(venv.resolve())
-    for key in ("elastic", "agents", "configs"):
+    for key in ("elastic", "agent", "configs"):
         assert str(Path(out[key]).resolve()).startswith(prefix), (key, out[key])
     shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
     assert sorted(out["found"]) == shipped

@@ -93,14 +93,14 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic import env, events
+from elastic import events
 from elastic.errors import EtcdConnectionError
 from elastic.etcd import client as etcd_client
 from elastic.etcd.client import EtcdClient, compare_absent, compare_mod, op_get, op_put
 from elastic.etcd.server import free_port
 from elastic.rendezvous.bootstrap import BootstrapStore
+from elastic.rendezvous.contract import ChangeKind, MembershipChange
 from elastic.rendezvous.fence import FenceSpec, _compare_less, _round_bytes, high_key
-from elastic.rendezvous.handler import ChangeKind, MembershipChange
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
 from elastic.rendezvous.ledger import RunLedger
@@ -356,6 +356,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
     # Each round's bootstrap store is hosted by an agent (rank 0's), so running workers can
     # form a new round's group through it: in-place re-forms (elastic.inplace).
     hosts_round_store = True
+    _fence = ""
 
     @property
     def use_agent_store(self) -> bool:
@@ -370,6 +371,10 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
     def get_run_id(self) -> str:
         return self._run_id
+
+    def fence(self) -> str:
+        """The commit fence of the round this node joined last (see the contract)."""
+        return self._fence
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Announce this node, wait for a round that takes it in, return its rank."""
@@ -416,7 +421,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._joined_round = round_
         self._peers = frozenset(ranks)
         rank = ranks[self._name]
-        os.environ[env.FENCE] = FenceSpec.for_run(self._client.options, self._keys, round_).to_env()
+        self._fence = FenceSpec.for_run(self._client.options, self._keys, round_).to_env()
         store = PrefixStore(f"torch.rendezvous.{self._run_id}.{round_}", self._store)
         bootstrap = RendezvousStoreInfo(str(doc["master_addr"]), int(doc["master_port"]))
         self._bootstrap.start_round(rank, bootstrap.master_addr, bootstrap.master_port)
@@ -1284,7 +1289,7 @@ def _renewed_s_ago(client: EtcdClient, lease: int) -> float:
     return float(answer.grantedTTL - max(answer.TTL, 0))
 
 
-# The agent (agents/agent.py) looks for the etcd-v3 handler's class; this handler offers
+# The agent (elastic/agent/node.py) looks for the etcd-v3 handler's class; this handler offers
 # the same seam (membership_change, request_reform, leave, record_failed_round).
 
 

@@ -40,16 +40,12 @@ back instead of after the last call.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from enum import Enum
-from typing import Protocol, runtime_checkable
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
@@ -66,8 +62,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elastic import env, events
+from elastic import events
 from elastic.errors import EtcdConnectionError
+from elastic.rendezvous.contract import ChangeKind, MembershipChange
 from elastic.rendezvous.ledger import RunLedger
 from elastic.rendezvous.liveness import DeathDetector, ProbeListener
 from elastic.rendezvous.options import RendezvousOptions
@@ -125,36 +122,6 @@ def _install_method_name() -> None:
         dynamic_rendezvous.get_method_name = _method_name
 
 
-class ChangeKind(str, Enum):
-    """Why the group must re-form (see :meth:`EtcdRendezvousHandler.membership_change`)."""
-
-    REQUESTED = "requested"  # the agent asked (its workers stopped for a peer's leave)
-    JOINERS = "joiners"  # nodes wait to join
-    PEERS_LOST = "peers_lost"  # a peer left the round: expired, reaped or left
-    DROPPED = "dropped"  # this node is no longer a participant of its round
-
-
-@dataclass(frozen=True)
-class MembershipChange:
-    """A reason to re-form the group, and the nodes it concerns (``JOINERS``: how many)."""
-
-    kind: ChangeKind
-    round: int | None
-    nodes: tuple[str, ...] = ()
-    waiting: int = 0
-
-
-@runtime_checkable
-class MembershipHandler(Protocol):
-    """What the agent asks of our handlers (single-key and announce): the seam."""
-
-    def membership_change(self) -> MembershipChange | None: ...
-    def request_reform(self) -> None: ...
-    def leave(self, timeout: float = 10.0) -> None: ...
-    def record_failed_round(self) -> int | None: ...
-    def get_run_id(self) -> str: ...
-
-
 class EtcdRendezvousHandler(DynamicRendezvousHandler):
     """DynamicRendezvousHandler that rejoins when dropped, and records each round as an event."""
 
@@ -167,6 +134,13 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
     _detector: DeathDetector | None = None
     _outage_since: float | None = None
     _outage_timeout_s: float = 600.0
+    _fence: str = ""
+    # torch's store for the round (the TCPStore on rank 0's worker) ends with the round.
+    hosts_round_store = False
+
+    def fence(self) -> str:
+        """The commit fence of the round this node joined last (see the contract)."""
+        return self._fence
 
     def attach(self, ledger: RunLedger, outage_timeout_s: float = 600.0) -> None:
         """Use the run's ledger, and listen on a probe port published in it."""
@@ -301,9 +275,7 @@ class EtcdRendezvousHandler(DynamicRendezvousHandler):
         self._verify_peers()
         self._check_clocks()
         if self._ledger is not None:
-            # The workers we start next read it (warm ones fork from a server that took
-            # the agent's environment before this; the agent hands it on).
-            os.environ[env.FENCE] = self._ledger.publish_fence(state.round)
+            self._fence = self._ledger.publish_fence(state.round)  # the agent hands it on
         events.emit(
             "rdzv.round",
             run_id=self.get_run_id(),
@@ -436,10 +408,4 @@ def build_handler(
     return handler
 
 
-__all__ = [
-    "ChangeKind",
-    "EtcdRendezvousHandler",
-    "MembershipChange",
-    "MembershipHandler",
-    "build_handler",
-]
+__all__ = ["EtcdRendezvousHandler", "build_handler"]

@@ -38,10 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_configs import config_path
-
 from elastic import env, events
 from elastic.checkpoint.layout import COMMIT_MARKER, inspect_step, marker_digest
+from elastic.configs import config_path
 from elastic.errors import ElasticError
 from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
 from elastic.procs import WORKER_NAME, alive, descendants, kill

@@ -147,8 +147,7 @@ def _options(args: argparse.Namespace, request_timeout: float | None = None) -> 
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from elastic_configs import config_path
-
+    from elastic.configs import config_path
     from elastic.tools.demo import FULL, QUICK, run_demo
 
     config = args.config or config_path("tiny" if args.quick else "default")

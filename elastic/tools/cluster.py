@@ -129,7 +129,7 @@ class AgentOptions:
     addr: str = "127.0.0.1"
     netns: str | None = None  # run inside this network namespace (``ip netns exec``)
     # The launcher's own command (e.g. the ``elastic-agent`` console script); None:
-    # ``python -m agents.launch`` (``python -m torch.distributed.run`` with ``torchrun``).
+    # ``python -m elastic.agent.launch`` (``python -m torch.distributed.run`` with ``torchrun``).
     command: tuple[str, ...] | None = None
 
     def conf(self, host: bool | None = None) -> str:
@@ -144,7 +144,7 @@ class AgentOptions:
     def argv(
         self, endpoint: str, run_id: str, worker: Sequence[str], host: bool | None = None
     ) -> list[str]:
-        launcher = "torch.distributed.run" if self.torchrun else "agents.launch"
+        launcher = "torch.distributed.run" if self.torchrun else "elastic.agent.launch"
         command = self.command or (sys.executable, "-m", launcher)
         conf = self.conf(host)
         argv = [

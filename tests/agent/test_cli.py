@@ -197,7 +197,7 @@ def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
     ],
 )
 def test_agent_option_spellings(argv: list[str], expected: list[str]) -> None:
-    from agents.launch import translate_argv
+    from elastic.agent.launch import translate_argv
 
     assert translate_argv(argv, {"--standalone", "-m", "--module"}) == expected
 
@@ -215,9 +215,9 @@ def test_only_our_worker_starts_warm(
 ) -> None:
     from torch.distributed.run import config_from_args, get_args_parser
 
-    from agents import warm as warm_module
-    from agents.launch import _warm_entrypoint, translate_argv
     from elastic import env
+    from elastic.agent import warm as warm_module
+    from elastic.agent.launch import _warm_entrypoint, translate_argv
 
     started: list[bool] = []
     monkeypatch.setattr(warm_module, "start_server", lambda: started.append(True))

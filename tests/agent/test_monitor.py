@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agents.agent import NodeAgent
+from elastic.agent.node import NodeAgent
 from tests.helpers import kill_pid
 
 LONG_S = 30.0  # the monitor interval under test: a wait that ran it out failed

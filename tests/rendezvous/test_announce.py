@@ -22,7 +22,7 @@ from elastic.rendezvous.announce import (
     announce_status,
     build_announce_handler,
 )
-from elastic.rendezvous.handler import ChangeKind
+from elastic.rendezvous.contract import ChangeKind
 from elastic.rendezvous.options import RendezvousOptions
 from tests.helpers import wait_until
 

@@ -11,7 +11,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic.etcd.server import EtcdServer
-from elastic.rendezvous.handler import ChangeKind, EtcdRendezvousHandler
+from elastic.rendezvous.contract import ChangeKind
+from elastic.rendezvous.handler import EtcdRendezvousHandler
 from elastic.rendezvous.options import FAST_FAILOVER
 from elastic.rendezvous.registry import create_rdzv_handler
 from tests.helpers import wait_until

@@ -49,7 +49,7 @@ def _main(argv: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
-    from agents.agent import install
+    from elastic.agent.node import install
     from elastic.errors import ConfigError, ElasticError
 
     install()
@@ -201,7 +201,7 @@ def _start_warm_server_early(argv: list[str]) -> None:
     A guess from the raw arguments (our worker is named in them); :func:`_warm_entrypoint`
     decides for real once they are parsed. A wrong guess costs one idle server.
     """
-    from agents import warm
+    from elastic.agent import warm
 
     before_script = argv[: next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))]
     ours = "elastic.training.worker" in argv or any(
@@ -218,8 +218,8 @@ def _runs_our_worker(args: argparse.Namespace) -> bool:
 def _warm_entrypoint(
     args: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[str]
 ) -> tuple[Any, list[str]]:
-    """Our worker forks from a fork server that has imported torch (see agents.warm)."""
-    from agents import warm
+    """Our worker forks from a fork server that has imported torch (see elastic.agent.warm)."""
+    from elastic.agent import warm
 
     if not (_runs_our_worker(args) and warm.enabled()) or args.no_python:
         return cmd, cmd_args

@@ -1,4 +1,4 @@
-"""Imported by the warm-start fork server as it starts (see :mod:`agents.warm`): tie its
+"""Imported by the warm-start fork server as it starts (see :mod:`elastic.agent.warm`): tie its
 life to the agent's.
 
 Python's fork server exits when every holder of its "alive" pipe has closed it, and every

@@ -61,7 +61,7 @@ from elastic.inplace import channel
 from elastic.inplace.channel import Assignment
 from elastic.procs import alive
 from elastic.recovery import snapshot
-from elastic.rendezvous.handler import ChangeKind, MembershipChange, MembershipHandler
+from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,18 @@ class NodeAgent(LocalElasticAgent):
         self, worker_env: dict[str, str | None], local_rank: int, spec: Any
     ) -> None:
         super()._set_local_rank_env(worker_env, local_rank, spec)
-        # Set by the rendezvous after a warm worker's fork server took its environment.
-        if env.FENCE in os.environ:
-            worker_env[env.FENCE] = os.environ[env.FENCE]
+        # The round's fence comes from the rendezvous (after a warm worker's fork server
+        # took this process's environment).
+        fence = self._fence()
+        if fence:
+            worker_env[env.FENCE] = fence
         worker_env[snapshot.OWNER_ENV] = str(os.getpid())  # whose node the snapshots are
         if self._offers_in_place():
             worker_env[env.CHANNEL] = str(channel.prefix_for(os.getpid(), local_rank))
+
+    def _fence(self) -> str:
+        handler = self._handler()
+        return handler.fence() if handler is not None else ""
 
     # -- in-place re-forms (elastic.inplace) -------------------------------------------------
 
@@ -98,11 +104,11 @@ class NodeAgent(LocalElasticAgent):
     def _offers_in_place(self) -> bool:
         handler = self._worker_group.spec.rdzv_handler
         off = os.environ.get(env.IN_PLACE, "1").strip().lower() in ("0", "false", "no", "off")
-        return not off and bool(getattr(handler, "hosts_round_store", False))
+        return not off and isinstance(handler, MembershipHandler) and handler.hosts_round_store
 
     def _round(self) -> int:
-        view = getattr(self._worker_group.spec.rdzv_handler, "round_view", None)
-        return int(view()[0]) if view is not None else -1
+        handler = self._handler()
+        return int(handler.round_view()[0]) if handler is not None else -1
 
     def _assign(self, worker_group: WorkerGroup, pending: Assignment | None = None) -> None:
         """Write each local worker's assignment (or ``pending`` for all of them)."""
@@ -113,7 +119,7 @@ class NodeAgent(LocalElasticAgent):
                 world_size=w.world_size,
                 master_addr=str(worker_group.master_addr),
                 master_port=int(worker_group.master_port or 0),
-                fence=os.environ.get(env.FENCE, ""),
+                fence=self._fence(),
                 issued=time.time(),
             )
             channel.write_assignment(channel.prefix_for(os.getpid(), w.local_rank), a)

@@ -11,7 +11,7 @@ Forking after ``import torch`` is safe here: the server only imports (no CUDA
 context, no thread pool exists yet), as torch's own DataLoader workers rely on.
 
 Process tree and cleanup: agent -> fork server -> workers. The server asks
-Linux to kill it when the agent dies (:mod:`agents.forkserver_init`; its own
+Linux to kill it when the agent dies (:mod:`elastic.agent.forkserver_init`; its own
 "alive" pipe is not enough, since the workers hold it too) and each worker asks
 the same of the server (:func:`elastic.procs.die_with_parent`), so a ``kill -9``
 of the agent still leaves no worker behind.
@@ -37,7 +37,7 @@ START_METHOD = "forkserver"
 WORKER_MODULE = "elastic.training.worker"
 # Imported once by the fork server; each worker then starts with them loaded.
 PRELOAD = [
-    "agents.forkserver_init",  # first: the server dies with the agent
+    "elastic.agent.forkserver_init",  # first: the server dies with the agent
     "torch",
     "torch.distributed.checkpoint",
     "torchvision",
