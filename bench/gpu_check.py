@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import torch
 
-from elastic.tools.cluster import REPO, AgentOptions, LocalCluster, provenance
+from elastic.harness.cluster import REPO, AgentOptions, LocalCluster, provenance
 
 if REPO is None:  # not expected: sys.path starts with this checkout
     raise SystemExit("bench/gpu_check.py runs from a source checkout of elastic.")

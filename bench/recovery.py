@@ -51,8 +51,8 @@ a failure and spends a restart; ours re-forms without spending one.
 with ``kill -9``, under c10d-tuned and, as a control, under ours; reports whether
 n2 ever trains at world 1 (within ``--event-timeout``) and how its agent ended.
 
-The nodes are started and driven by :class:`elastic.tools.cluster.LocalCluster`, and the
-scenario is :func:`elastic.tools.cluster.membership_scenario` (``elastic demo`` runs it too).
+The nodes are started and driven by :class:`elastic.harness.cluster.LocalCluster`, and the
+scenario is :func:`elastic.harness.cluster.membership_scenario` (``elastic demo`` runs it too).
 The JSON output records the git commit and the UTC time of the run (``provenance``).
 
 Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--json-out PATH]``
@@ -81,9 +81,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
-from elastic.procs import descendants
-from elastic.rendezvous.options import FAST_FAILOVER_CONF
-from elastic.tools.cluster import (
+from elastic.harness.cluster import (
     C10D,
     REPO,
     SCENARIO,
@@ -97,6 +95,8 @@ from elastic.tools.cluster import (
     pythonpath,
     start_pair,
 )
+from elastic.procs import descendants
+from elastic.rendezvous.options import FAST_FAILOVER_CONF
 
 if REPO is None:  # not expected: sys.path starts with this checkout
     raise SystemExit("bench/recovery.py runs from a source checkout of elastic.")
@@ -203,7 +203,7 @@ def _log_phases(cluster: LocalCluster, t0: float, t1: float) -> dict[str, float]
 
 def _annotate(cluster: LocalCluster, entry: dict[str, Any], first: dict[str, Any]) -> None:
     """Where the recovery time went: log markers and the checkpoint load (the training
-    pause is :func:`~elastic.tools.cluster.measure`'s ``pause_s``)."""
+    pause is :func:`~elastic.harness.cluster.measure`'s ``pause_s``)."""
     t0 = entry["t"]
     entry.update(_log_phases(cluster, t0, first["ts"]))
     _inplace_phases(cluster, entry, t0, first["ts"])

@@ -1059,7 +1059,7 @@ def run_all(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str,
 
 def run_stamp() -> dict[str, Any]:
     """The git commit (and whether the tree was dirty) and a UTC timestamp."""
-    from elastic.tools.cluster import provenance
+    from elastic.harness.cluster import provenance
 
     return provenance()
 

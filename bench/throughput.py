@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.tools.cluster import provenance
+from elastic.harness.cluster import provenance
 from elastic.training.config import load_config
 from elastic.training.worker import Worker, _setup_torch, init_distributed
 

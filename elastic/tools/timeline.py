@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EVENT_LOG_NAME = "events.jsonl"  # a run directory's event log (elastic.tools.cluster)
+EVENT_LOG_NAME = "events.jsonl"  # a run directory's event log (elastic.harness.cluster)
 # The events that mean the group's membership changed (or is about to).
 MEMBERSHIP_KINDS = frozenset(
     {"rdzv.round", "rdzv.dropped", "node.leave", "node.lost", "node.dead", "worker.restart"}

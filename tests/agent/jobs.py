@@ -1,7 +1,7 @@
 """Run our CNN worker under real elastic-agent processes and read what happened.
 
 The comparisons (final model vs a fault-free run, samples of the kept trajectory) live in
-:mod:`elastic.tools.chaos`, which ``elastic chaos`` shares with these tests.
+:mod:`elastic.chaos`, which ``elastic chaos`` shares with these tests.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic import env
-from elastic.tools.chaos import LR, MODEL_RTOL, kept_samples, model_differences
-from elastic.tools.cluster import AgentOptions, LocalCluster
+from elastic.chaos import LR, MODEL_RTOL, kept_samples, model_differences
+from elastic.harness.cluster import AgentOptions, LocalCluster
 from tests.helpers import PYTHON, REPO, Node, node_env
 
 TINY = REPO / "configs" / "tiny.yaml"

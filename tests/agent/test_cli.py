@@ -13,7 +13,7 @@ import pytest
 
 from elastic import env
 from elastic.etcd.server import EtcdServer
-from elastic.tools.cluster import fast_conf
+from elastic.harness.cluster import fast_conf
 from tests.agent.jobs import Job
 from tests.helpers import (
     FAST_CONF,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.tools.chaos import (
+from elastic.chaos.run import (
     KINDS,
     ChaosOptions,
     kept_samples,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import EtcdServer, start_etcd
-from elastic.tools.faults import Net
+from elastic.harness.faults import Net
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from elastic.etcd.server import EtcdServer
+from elastic.harness.cluster import AgentOptions, LocalCluster
 from elastic.procs import descendants
-from elastic.tools.cluster import AgentOptions, LocalCluster
 from tests.helpers import REPO, node_env
 
 pytestmark = pytest.mark.slow

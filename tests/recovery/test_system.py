@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from elastic.etcd.server import EtcdServer
-from elastic.tools.cluster import AgentOptions, LocalCluster
+from elastic.harness.cluster import AgentOptions, LocalCluster
 from tests.helpers import REPO, node_env, wait_until
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from elastic.tools.cluster import LocalCluster
+from elastic.harness.cluster import LocalCluster
 from elastic.tools.demo import QUICK, _job_secret, _serve_dashboard
 from tests.helpers import PYTHON, REPO, node_env, wait_until
 

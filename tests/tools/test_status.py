@@ -21,10 +21,10 @@ from elastic.checkpoint.layout import make_marker, step_url, write_marker
 from elastic.errors import EtcdStateError
 from elastic.etcd.client import EtcdClient
 from elastic.etcd.server import EtcdServer, free_port
+from elastic.harness.cluster import AgentOptions, LocalCluster
 from elastic.rendezvous.backend import encode_state
 from elastic.rendezvous.keys import RunKeys
 from elastic.tools import status as status_module
-from elastic.tools.cluster import AgentOptions, LocalCluster
 from elastic.tools.status import NEEDS_SECRET, format_table, rendezvous_status
 from tests.helpers import FAST_CONF, PYTHON, REPO, node_env, wait_until
 from tests.rendezvous.test_tls_auth import PASSWORD, SecureEtcd, secure_etcd  # noqa: F401

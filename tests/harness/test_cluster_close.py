@@ -8,8 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from elastic.harness.cluster import LocalCluster
 from elastic.procs import alive
-from elastic.tools.cluster import LocalCluster
 from tests.helpers import wait_until
 
 

@@ -43,9 +43,7 @@ from elastic.checkpoint.layout import COMMIT_MARKER, inspect_step, marker_digest
 from elastic.configs import config_path
 from elastic.errors import ElasticError
 from elastic.etcd.server import EtcdServer, start_cluster, start_etcd
-from elastic.procs import WORKER_NAME, alive, descendants, kill
-from elastic.procs import name as proc_name
-from elastic.tools.cluster import (
+from elastic.harness.cluster import (
     AgentOptions,
     LocalCluster,
     Node,
@@ -53,7 +51,9 @@ from elastic.tools.cluster import (
     provenance,
     pythonpath,
 )
-from elastic.tools.faults import Net
+from elastic.harness.faults import Net
+from elastic.procs import WORKER_NAME, alive, descendants, kill
+from elastic.procs import name as proc_name
 
 logger = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ class ChaosOptions:
 
 def available_kinds(etcd_members: int) -> tuple[list[str], dict[str, str]]:
     """The kinds this machine can inject, and why each other kind is skipped."""
-    from elastic.tools.faults import netns_usable
+    from elastic.harness.faults import netns_usable
 
     skipped: dict[str, str] = {}
     why = netns_usable()
@@ -847,7 +847,7 @@ class Chaos:
         argv = [
             sys.executable,
             "-m",
-            "elastic.tools.chaos",
+            "elastic.chaos.run",
             "--stale-writer",
             spec.to_env(),
             str(self.ckpt),
@@ -1277,7 +1277,7 @@ def table(report: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m elastic.tools.chaos`` (the stale writer of a schedule, or a whole run)."""
+    """``python -m elastic.chaos.run`` (the stale writer of a schedule, or a whole run)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--stale-writer"]:
         spec, url, run_id, step = args[1:5]
