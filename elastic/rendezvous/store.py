@@ -2,7 +2,10 @@
 
 Keys live under ``<prefix>/<run_id>/store/``. Blocking reads use a watch
 started at the revision of the read that missed, so no write in between can
-be lost and nothing polls. ``add`` and ``compare_set`` are etcd transactions.
+be lost and nothing polls; a timeout raises torch's ``DistStoreError`` saying
+"timeout". ``add`` and ``compare_set`` are etcd transactions; ``clone`` gives
+a second handle on the same data (torch's per-thread store). torch's own store
+suite runs against it: tests/rendezvous/test_torch_store_suite.py.
 
 Retries. :meth:`EtcdClient.call` re-sends a request whose reply was lost (an
 outage, a fail-over), so a write may reach etcd twice. ``set`` and
@@ -65,14 +68,27 @@ class EtcdStore(dist.Store):
     ) -> None:
         super().__init__()  # required for the pybind trampoline
         self._client = client
+        self._keys = keys
         self._prefix = keys.store
         # One add-token key per (store, thread): a thread has one add in flight at a time, so a
         # retry finds its own token there exactly when its add was applied. Their number stays
         # bounded by stores x threads, however many keys are added to.
         self._adds = keys.store.rstrip(b"/") + b"-adds/" + uuid.uuid4().hex.encode() + b"/"
         self._lease = lease
+        self._clones: list[EtcdStore] = []
         if timeout is not None:
             self.set_timeout(timeout)
+
+    def clone(self) -> EtcdStore:
+        """A new store on the same data, client, lease and timeout, for another thread.
+
+        The original keeps a reference to it: when C++ calls ``clone`` (``PrefixStore``,
+        ``dist._test_python_store``) nothing on the Python side would, and a Python store
+        whose Python object is gone answers every call with "Not implemented".
+        """
+        twin = EtcdStore(self._client, self._keys, self._lease, self.timeout)  # type: ignore[attr-defined]
+        self._clones.append(twin)
+        return twin
 
     def _key(self, key: str) -> bytes:
         return self._prefix + key.encode()
@@ -83,7 +99,8 @@ class EtcdStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, blocking until it exists or the store timeout passes."""
-        return self._wait_get(self._key(key), self.timeout, key)  # type: ignore[attr-defined]
+        limit: timedelta = self.timeout  # type: ignore[attr-defined]
+        return self._wait_get(self._key(key), time.monotonic() + limit.total_seconds(), limit, key)
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 when absent); return the sum.
@@ -141,8 +158,7 @@ class EtcdStore(dist.Store):
         limit: timedelta = timeout or self.timeout  # type: ignore[attr-defined]
         deadline = time.monotonic() + limit.total_seconds()
         for key in keys:
-            remaining = timedelta(seconds=max(0.0, deadline - time.monotonic()))
-            self._wait_get(self._key(key), remaining, key)
+            self._wait_get(self._key(key), deadline, limit, key)
 
     def check(self, keys: list[str]) -> bool:
         return all(self._client.range(self._key(k), count_only=True).count for k in keys)
@@ -171,8 +187,8 @@ class EtcdStore(dist.Store):
                 "as the path of a file that holds the data."
             ) from exc
 
-    def _wait_get(self, k: bytes, timeout: timedelta, name: str) -> bytes:
-        deadline = time.monotonic() + timeout.total_seconds()
+    def _wait_get(self, k: bytes, deadline: float, limit: timedelta, name: str) -> bytes:
+        """The value of ``k``, watching for it until ``deadline`` (monotonic) passes."""
         while True:
             response = self._client.range(k)
             if response.kvs:
@@ -180,8 +196,9 @@ class EtcdStore(dist.Store):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise dist.DistStoreError(
-                    f"The key '{name}' did not appear in the etcd store within "
-                    f"{timeout.total_seconds():g} s; a peer may have died before publishing it."
+                    f"Store wait timeout after {limit.total_seconds():g} s: the key '{name}' did "
+                    "not appear in the etcd store; a peer may have died before publishing it, "
+                    "or the store timeout is too short for this job."
                 )
             self._client.wait_for_event(k, response.header.revision + 1, remaining)
 

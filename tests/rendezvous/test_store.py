@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from elastic.errors import StoreError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
 from elastic.rendezvous.store import EtcdStore
@@ -41,7 +42,8 @@ def test_blocking_get_times_out_with_torch_error(client: EtcdClient, run_id: str
     store = make_store(client, run_id, timeout=0.5)
     started = time.monotonic()
     with pytest.raises(
-        dist.DistStoreError, match=r"did not appear in the etcd store within 0\.5 s"
+        dist.DistStoreError,
+        match=r"^Store wait timeout after 0\.5 s: the key 'p//never' did not appear in the etcd",
     ):
         dist.PrefixStore("p/", store).get("never")
     assert 0.45 < time.monotonic() - started < 3
@@ -108,7 +110,7 @@ def _adder(endpoint: str, run_id: str, n: int, out: mp.Queue) -> None:
         out.put((results, client.requests))
 
 
-def test_add_from_8_processes_is_exact(etcd, run_id: str) -> None:  # type: ignore[no-untyped-def]
+def test_add_from_8_processes_is_exact(etcd: EtcdServer, run_id: str) -> None:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_adder, args=(etcd.endpoint, run_id, 100, out)) for _ in range(8)]
@@ -174,9 +176,7 @@ def test_add_is_applied_once_when_the_reply_is_lost_and_the_client_retries(
 
 
 def test_add_retry_after_a_peer_added_returns_the_first_result(
-    client: EtcdClient,
-    etcd,
-    run_id: str,  # type: ignore[no-untyped-def]
+    client: EtcdClient, etcd: EtcdServer, run_id: str
 ) -> None:
     store = make_store(client, run_id)
     store.add("n", 10)
