@@ -191,6 +191,69 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd returned it, without its protobuf."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class KeyEvent:
+    """One change of a watched key: its new value, or ``deleted`` (then ``value`` is empty)."""
+
+    kv: KeyValue
+    deleted: bool
+
+
+@dataclass(frozen=True)
+class WatchTarget:
+    """A key (or, with ``prefix``, every key under it) to watch from ``start_revision``."""
+
+    key: bytes
+    start_revision: int
+    prefix: bool = False
+
+
+class WatchHandle:
+    """The watch stream in flight, so that another thread can end it (:meth:`cancel`) or
+    cut the current one short (:meth:`interrupt`, a deadline that got nearer)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stream: Any = None
+        self._cancelled = False
+        self.current_id = 0  # how many streams were set: identifies the current one
+
+    def set(self, stream: Any) -> None:
+        with self._lock:
+            self._stream = stream
+            self.current_id += 1
+            if self._cancelled:
+                stream.cancel()
+
+    def interrupt(self, stream_id: int) -> None:
+        """End stream number ``stream_id`` if it is still the current one."""
+        with self._lock:
+            if self._stream is not None and self.current_id == stream_id:
+                self._stream.cancel()
+
+    def cancel(self) -> None:
+        """End the current stream and every later one."""
+        with self._lock:
+            self._cancelled = True
+            if self._stream is not None:
+                self._stream.cancel()
+
+
+# What a request may raise: etcd out of reach past the retry budget, or a refusal by etcd.
+REQUEST_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, grpc.RpcError)
+
+
 class EtcdClient:
     """A thread-safe etcd v3 client with fail-over across endpoints.
 
@@ -318,6 +381,15 @@ class EtcdClient:
         request = etcdrpc.TxnRequest(compare=compare, success=success, failure=failure)
         return self.call(lambda c, t: c.kv.Txn(request, timeout=t, metadata=c.metadata))
 
+    def txn_on_lease(self, compare: list[Any], success: list[Any], failure: list[Any]) -> Any:
+        """:meth:`txn` whose puts name a lease: None when etcd no longer holds that lease."""
+        try:
+            return self.txn(compare, success, failure)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # "requested lease not found"
+                raise
+            return None
+
     # -- leases ---------------------------------------------------------------
 
     def grant(self, ttl: int) -> int:
@@ -340,6 +412,19 @@ class EtcdClient:
                 stream.cancel()
 
         return self.call(once)
+
+    def revoke(self, lease_id: int) -> None:
+        """Revoke a lease: every key attached to it is deleted at once."""
+        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+        self.call(lambda c, t: c.lease.LeaseRevoke(request, timeout=t, metadata=c.metadata))
+
+    def renewed_s_ago(self, lease_id: int) -> float:
+        """Seconds since a lease was last renewed (its granted TTL less the TTL left)."""
+        request = etcdrpc.LeaseTimeToLiveRequest(ID=lease_id)
+        answer = self.call(
+            lambda c, t: c.lease.LeaseTimeToLive(request, timeout=t, metadata=c.metadata)
+        )
+        return float(answer.grantedTTL - max(answer.TTL, 0))
 
     # -- watches --------------------------------------------------------------
 
@@ -370,6 +455,29 @@ class EtcdClient:
                 if time.monotonic() >= deadline:
                     return False
                 raise
+
+    def watch_many(
+        self,
+        targets: Sequence[WatchTarget],
+        timeout: float,
+        on_events: Callable[[int, list[KeyEvent]], bool],
+        handle: WatchHandle,
+    ) -> bool:
+        """Watch several keys or ranges on one stream (one request) for up to ``timeout``.
+
+        ``on_events(index, events)`` gets each batch (``index``: which target) and returns
+        True to end the watch; ``handle`` lets another thread end it early.
+
+        Returns:
+            False when the history was compacted or the watch cancelled by etcd (re-read
+            everything), True otherwise (ended by ``on_events``, the handle or ``timeout``).
+        """
+        creates = [_watch_create(target) for target in targets]
+
+        def attempt(c: _Connection, _t: float) -> bool:
+            return _watch_many_once(c, creates, timeout, on_events, handle)
+
+        return bool(self.call(attempt))
 
     def close(self) -> None:
         with self._lock:
@@ -406,6 +514,63 @@ def _watch_once(conn: _Connection, create: Any, timeout: float) -> bool:
         stream.cancel()
 
 
+def _watch_create(target: WatchTarget) -> Any:
+    end = _prefix_end(target.key) if target.prefix else b""
+    return etcdrpc.WatchCreateRequest(
+        key=target.key, range_end=end, start_revision=target.start_revision
+    )
+
+
+def _watch_many_once(
+    conn: _Connection,
+    creates: list[Any],
+    timeout: float,
+    on_events: Callable[[int, list[KeyEvent]], bool],
+    handle: WatchHandle,
+) -> bool:
+    done = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        for create in creates:
+            yield etcdrpc.WatchRequest(create_request=create)
+        done.wait()
+
+    stream = conn.watch.Watch(requests(), timeout=timeout, metadata=conn.metadata)
+    handle.set(stream)
+    try:
+        return _follow(stream, on_events)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.CANCELLED or _is_deadline(exc):
+            return True
+        raise
+    finally:
+        done.set()
+        stream.cancel()
+
+
+def _follow(stream: Any, on_events: Callable[[int, list[KeyEvent]], bool]) -> bool:
+    ids: dict[int, int] = {}  # etcd's watch id -> the index of its create request
+    for response in stream:
+        if response.created and response.watch_id not in ids:
+            ids[response.watch_id] = len(ids)
+        if response.compact_revision or response.canceled:
+            return False
+        batch = [KeyEvent(key_value(e.kv), e.type == _DELETE) for e in response.events]
+        if batch and on_events(ids.get(response.watch_id, 0), batch):
+            return True
+    return True
+
+
+def key_value(kv: Any) -> KeyValue:
+    """A :class:`KeyValue` of etcd's protobuf ``KeyValue``."""
+    return KeyValue(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+
+def txn_kvs(response: Any, index: int) -> list[KeyValue]:
+    """The keys that range op number ``index`` of a transaction's response read."""
+    return [key_value(kv) for kv in response.responses[index].response_range.kvs]
+
+
 def _observe(
     observer: Callable[[Callable[..., Any], float, BaseException | None], None],
     fn: Callable[..., Any],
@@ -418,6 +583,7 @@ def _observe(
         logger.debug("The etcd request observer failed: %s", exc)
 
 
+_DELETE = 1  # mvccpb.Event.EventType.DELETE
 _RELOGIN = ("auth token", "revision of auth store is old")
 
 
@@ -480,19 +646,72 @@ def op_put(key: bytes, value: bytes, lease: int = 0) -> Any:
     return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value, lease=lease))
 
 
+def compare_created(key: bytes, revision: int) -> Any:
+    """Compare: the key was created at ``revision`` (this incarnation of it exists)."""
+    return etcdrpc.Compare(
+        key=key,
+        result=etcdrpc.Compare.EQUAL,
+        target=etcdrpc.Compare.CREATE,
+        create_revision=revision,
+    )
+
+
+def compare_less(key: bytes, value: bytes) -> Any:
+    """Compare: the key holds a value that sorts before ``value`` (false when absent)."""
+    return etcdrpc.Compare(
+        key=key, result=etcdrpc.Compare.LESS, target=etcdrpc.Compare.VALUE, value=value
+    )
+
+
 def op_get(key: bytes) -> Any:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key))
 
 
+def op_range(
+    key: bytes,
+    *,
+    prefix: bool = False,
+    limit: int = 0,
+    newest_first: bool = False,
+    created_before: int = 0,
+) -> Any:
+    """Read op: ``key``, or every key under it (``prefix``); ``newest_first`` sorts them
+    by creation, newest first; ``created_before`` keeps those created before a revision."""
+    request = etcdrpc.RangeRequest(
+        key=key, range_end=_prefix_end(key) if prefix else b"", limit=limit
+    )
+    if newest_first:
+        request.sort_order = etcdrpc.RangeRequest.DESCEND
+        request.sort_target = etcdrpc.RangeRequest.CREATE
+    if created_before:
+        request.max_create_revision = created_before - 1
+    return etcdrpc.RequestOp(request_range=request)
+
+
+def op_delete(key: bytes) -> Any:
+    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))
+
+
 __all__ = [
     "DEFAULT_PORT",
+    "REQUEST_ERRORS",
     "Endpoint",
     "EtcdClient",
     "EtcdOptions",
+    "KeyEvent",
+    "KeyValue",
+    "WatchHandle",
+    "WatchTarget",
     "compare_absent",
+    "compare_created",
+    "compare_less",
     "compare_mod",
     "compare_value",
+    "key_value",
+    "op_delete",
     "op_get",
     "op_put",
+    "op_range",
     "parse_endpoints",
+    "txn_kvs",
 ]

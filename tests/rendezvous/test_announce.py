@@ -107,9 +107,9 @@ def kill(h: AnnounceRendezvousHandler) -> None:
     """As kill -9 of the node's agent: its threads stop and its probe port closes, while its
     lease lives on until it expires (or the reaper deletes its key)."""
     h._stop_threads()
-    assert h._listener is not None
-    h._listener.close()
-    h._member_lease = 0
+    assert h._keeper.listener is not None
+    h._keeper.close()
+    h._lease.id = 0
 
 
 def pause(seconds: float) -> None:
@@ -184,7 +184,7 @@ def test_a_killed_member_is_removed(nodes: Callable[..., Nodes]) -> None:
     victim, revoked = handlers[1], handlers[2]
     kill(victim)  # its lease lives on (TTL 3 s) but must not be waited for
     revoked._stop_threads()
-    revoked._revoke()
+    revoked._lease.revoke()
     survivors = [handlers[0], handlers[3]]
     changes = wait_until(
         lambda: (
@@ -254,8 +254,8 @@ def test_nodes_beyond_max_nodes_wait_without_breaking_up_a_full_round(
             joined["x"] = extra.next_rendezvous()
 
     threading.Thread(target=join, daemon=True).start()
-    closer = next(h for h in first if h._closer)
-    wait_until(lambda: extra.name in closer._members, 30, "the closer to see the extra node")
+    closer = next(h for h in first if h.is_closer)
+    wait_until(lambda: extra.name in closer._state.members, 30, "the closer to see the extra node")
     settled = time.monotonic() + 1.5
     wait_until(lambda: time.monotonic() > settled, 5, "the closer to act on it")
     assert all(h.membership_change() is None for h in first)
@@ -359,12 +359,12 @@ def test_the_running_round_trains_on_through_a_newcomers_last_call(
     first = run.add(3)
     join_all(first)
     start = round_of(first[0])
-    closer = next(h for h in first if h._closer)
+    closer = next(h for h in first if h.is_closer)
     [newcomer] = run.add(1)
     joined: dict[str, RendezvousInfo] = {}
     arrived = time.monotonic()
     thread = start_joining(newcomer, joined)
-    wait_until(lambda: newcomer.name in closer._members, 10, "the closer to see the newcomer")
+    wait_until(lambda: newcomer.name in closer._state.members, 10, "the closer to see the newcomer")
     assert all(h.membership_change() is None for h in first), "stopped during the last call"
     heard = first_change_at(first, "JOINERS") - arrived
     changes = [h.membership_change() for h in first]
@@ -390,14 +390,14 @@ def test_two_newcomers_within_one_last_call_land_in_one_round(
     first = run.add(2)
     join_all(first)
     start = round_of(first[0])
-    closer = next(h for h in first if h._closer)
+    closer = next(h for h in first if h.is_closer)
     one, two = run.add(2)
     joined: dict[str, RendezvousInfo] = {}
     arrived = time.monotonic()
     threads = [start_joining(one, joined)]
-    wait_until(lambda: one.name in closer._members, 10, "the closer to see the first one")
+    wait_until(lambda: one.name in closer._state.members, 10, "the closer to see the first one")
     threads.append(start_joining(two, joined))
-    wait_until(lambda: two.name in closer._members, 10, "the closer to see the second one")
+    wait_until(lambda: two.name in closer._state.members, 10, "the closer to see the second one")
     assert all(h.membership_change() is None for h in first), "stopped during the last call"
     heard = first_change_at(first, "JOINERS") - arrived
     changes = [h.membership_change() for h in first]
@@ -421,7 +421,7 @@ def test_a_member_left_behind_by_close_timeout_is_no_joiner_until_it_announces(
     run = nodes("1:3", close_timeout="2")
     handlers = run.add(3)
     join_all(handlers)
-    slow = next(h for h in handlers if not h._closer)
+    slow = next(h for h in handlers if not h.is_closer)
     others = [h for h in handlers if h is not slow]
     for h in others:
         h.request_reform()

@@ -1,0 +1,195 @@
+"""The publisher: every write of a node's announcement and of the round key.
+
+* :meth:`Publisher.announce` writes this node's member key on its own lease, in one
+  transaction that also reads the round key and the node's predecessor (the next-older
+  member key), granting a fresh lease first if there is none or it expired.
+* :meth:`Publisher.put_round` writes the round key as the closer, in one transaction fenced
+  three ways: by the round key's ``mod_revision``, by this node's own member key (a closer
+  whose lease expired cannot publish) and, for a new round, by the commit fence's high mark,
+  which the same transaction advances with the fence (:mod:`elastic.rendezvous.fence`), so
+  a round is never visible before its fence.
+* :meth:`Publisher.close_run` marks the rendezvous closed (the job finished).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from elastic.errors import EtcdConnectionError
+from elastic.etcd.client import (
+    EtcdClient,
+    compare_absent,
+    compare_created,
+    compare_less,
+    compare_mod,
+    key_value,
+    op_get,
+    op_put,
+    op_range,
+    txn_kvs,
+)
+from elastic.rendezvous.announce.keeper import MemberLease
+from elastic.rendezvous.announce.records import (
+    NO_ROUND,
+    Announcement,
+    Round,
+    decode_members,
+    decode_round,
+)
+from elastic.rendezvous.announce.state import NodeState
+from elastic.rendezvous.fence import _round_bytes, high_key
+from elastic.rendezvous.keys import RunKeys
+from elastic.rendezvous.lease import RunLease
+
+logger = logging.getLogger(__name__)
+
+_ANNOUNCE_TRIES = 3  # leases granted in a row before an announcement gives up
+
+
+def older_members(keys: RunKeys, create_revision: int) -> Any:
+    """A read op: the newest member key created before ``create_revision`` if given, else
+    the two newest (the caller's own fresh key and its predecessor)."""
+    if create_revision:
+        return op_range(
+            keys.members, prefix=True, limit=1, newest_first=True, created_before=create_revision
+        )
+    return op_range(keys.members, prefix=True, limit=2, newest_first=True)
+
+
+class Publisher:
+    """Writes this node's announcement and, as the closer, the round key.
+
+    Args:
+        client: the etcd client.
+        keys: the run's key layout.
+        run_lease: the run's lease (the round key expires with an abandoned run).
+        lease: this node's own lease (its member key).
+        state: the node's shared state (the revisions the writes are fenced by).
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        run_lease: RunLease,
+        lease: MemberLease,
+        state: NodeState,
+    ) -> None:
+        self._client, self._keys = client, keys
+        self._run_lease, self._lease, self._state = run_lease, lease, state
+        self.key = keys.members + state.name.encode()  # this node's member key
+
+    def announce(self, announcement: Announcement) -> bool:
+        """Write this node's key and take the round and the predecessor it read.
+
+        Returns:
+            Whether the key was created anew (it had been reaped): this node is then the
+            newest, and must look for its predecessor (:meth:`Follower.find_pred`).
+
+        Raises:
+            EtcdConnectionError: the lease expired again before each of a few tries.
+        """
+        response = self._write(announcement.encode())
+        revision = response.header.revision
+        older = decode_members(txn_kvs(response, 2), self._keys.members)
+        mine = txn_kvs(response, 3)
+        created = mine[0].create_revision if mine else revision
+        state = self._state
+        with state.cond:
+            recreated = bool(state.create_rev) and created != state.create_rev
+            state.create_rev = created
+            pred = [m for m in older if m.name != state.name][:1]
+            if not recreated:
+                state.set_pred(pred[0] if pred else None, revision)
+            state.set_round_kv(txn_kvs(response, 1), revision)
+            if state.closer:
+                state.touch(time.monotonic())
+        return recreated
+
+    def _write(self, value: bytes) -> Any:
+        state = self._state
+        for _ in range(_ANNOUNCE_TRIES):
+            if not self._lease.id or state.expired:
+                self._lease.grant()
+                state.create_rev = 0
+                with state.cond:
+                    state.expired = False
+            ops = [
+                op_put(self.key, value, self._lease.id),
+                op_get(self._keys.round),
+                older_members(self._keys, state.create_rev),
+                op_get(self.key),
+            ]
+            response = self._client.txn_on_lease([], ops, [])
+            if response is not None:
+                return response
+            state.expired = True
+        raise EtcdConnectionError(
+            f"The node '{state.name}' could not announce itself: its etcd lease kept "
+            "expiring; check etcd's health and the keep_alive_* options."
+        )
+
+    def put_round(self, round_: Round, high: int | None) -> int | None:
+        """Write the round key if nobody did since this node read it and this node's key
+        is the one it created; with ``high`` (a new round) also advance the commit fence.
+
+        Returns:
+            The revision of the write, or None when a compare failed: the state then holds
+            what etcd holds (the round, the high mark, and ``expired`` if our key is gone).
+        """
+        state, key, fence_high = self._state, self._keys.round, high_key(self._keys)
+        compares = [
+            compare_mod(key, state.round_rev) if state.round_rev else compare_absent(key),
+            compare_created(self.key, state.create_rev),
+        ]
+        puts = [op_put(key, round_.encode(), self._run_lease.id())]
+        if high is not None:
+            value = _round_bytes(high)
+            compares.append(
+                compare_absent(fence_high)
+                if state.high is None
+                else compare_less(fence_high, value)
+            )
+            puts += [op_put(fence_high, value), op_put(self._keys.fence, value)]
+        reads = [op_get(key), op_get(fence_high), op_get(self.key)]
+        response = self._client.txn(compares, puts, reads)
+        if response.succeeded:
+            return int(response.header.revision)
+        self._lost(response)
+        return None
+
+    def _lost(self, response: Any) -> None:
+        """Take what a failed :meth:`put_round` read instead."""
+        high, mine = txn_kvs(response, 1), txn_kvs(response, 2)
+        state = self._state
+        with state.cond:
+            state.set_round_kv(txn_kvs(response, 0))
+            state.high = int(high[0].value) if high else None
+            if not mine or mine[0].create_revision != state.create_rev:
+                state.expire()
+
+    def is_closed(self) -> bool:
+        """Whether the rendezvous is closed (one read)."""
+        kvs = self._client.range(self._keys.round).kvs
+        return bool(kvs and decode_round(kvs[0].value).closed)
+
+    def close_run(self) -> None:
+        """Mark the rendezvous closed: every node's next rendezvous then ends."""
+        key = self._keys.round
+        kvs = [key_value(kv) for kv in self._client.range(key).kvs]
+        while True:
+            round_ = decode_round(kvs[0].value) if kvs else NO_ROUND
+            if round_.closed:
+                return
+            compare = compare_mod(key, kvs[0].mod_revision) if kvs else compare_absent(key)
+            put = op_put(key, replace(round_, closed=True).encode(), self._run_lease.id())
+            response = self._client.txn([compare], [put], [op_get(key)])
+            if response.succeeded:
+                return
+            kvs = txn_kvs(response, 0)
+
+
+__all__ = ["Publisher", "older_members"]

@@ -1,0 +1,222 @@
+"""The announce rendezvous' two records in etcd, typed, decoded and validated once.
+
+* A **member key** ``announce/members/<node>`` holds a node's :class:`Announcement` (JSON:
+  address, pid, local id, probe port, bootstrap port, the round it leaves behind, its local
+  world size); read back with its key's revisions it is a :class:`Member`.
+* The **round key** ``announce/round`` holds the newest :class:`Round` (JSON: round, node ->
+  rank, rank 0's address and bootstrap port, the closer, and for the running round
+  ``waiting``, ``joining``, ``lost`` and ``stale``; ``closed`` once the job finished).
+
+A record that is not what we write is reported in one sentence naming the key
+(:class:`~elastic.errors.EtcdStateError` from :func:`parse_round` and :func:`parse_member`);
+the lenient :func:`decode_round` and :func:`decode_member` log that sentence and read an
+unreadable round as no round yet and skip an unreadable member, as the rendezvous must.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from elastic.errors import EtcdStateError
+from elastic.etcd.client import KeyValue
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What a node writes into its member key as it joins a round."""
+
+    addr: str
+    pid: int
+    local_id: int
+    probe: int  # its agent's probe port (liveness)
+    port: int  # the bootstrap store's port, should it be rank 0
+    after: int  # the round this node left behind when it announced (-1: none)
+    local_world_size: int = 1
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+@dataclass(frozen=True)
+class Member:
+    """One node's announcement, as read from its member key."""
+
+    name: str
+    create_revision: int
+    mod_revision: int
+    addr: str
+    pid: int
+    local_id: int
+    probe: int
+    port: int
+    after: int  # the round this node left behind when it announced (-1: none)
+    local_world_size: int = 1
+
+    @property
+    def order(self) -> tuple[str, int, int]:
+        """torch's rank order (its node descriptors sort by address, pid, local id)."""
+        return self.addr, self.pid, self.local_id
+
+
+@dataclass(frozen=True)
+class Round:
+    """The round key: the newest round, and what its running members must hear."""
+
+    round: int = -1  # -1: no round yet
+    members: Mapping[str, int] = field(default_factory=dict)  # node -> rank
+    master_addr: str = ""
+    master_port: int = 0
+    closer: str = ""
+    waiting: int = 0  # nodes a new round could take now (the running round re-forms)
+    joining: tuple[str, ...] = ()  # newcomers named for the next round
+    lost: tuple[str, ...] = ()  # members whose key vanished
+    stale: Mapping[str, int] = field(default_factory=dict)  # left out: node -> mod_revision
+    closed: bool = False  # the job finished
+
+    def encode(self) -> bytes:
+        doc: dict[str, Any] = {
+            "round": self.round,
+            "members": dict(self.members),
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "closer": self.closer,
+            "waiting": self.waiting,
+            "joining": list(self.joining),
+            "lost": list(self.lost),
+            "stale": dict(self.stale),
+        }
+        if self.closed:
+            doc["closed"] = True
+        return json.dumps(doc).encode()
+
+    def takes(self, name: str, after: int) -> bool:
+        """Whether this round is newer than ``after`` and has ``name`` among its members."""
+        return self.round > after and name in self.members
+
+
+NO_ROUND = Round()
+
+
+def parse_round(value: bytes) -> Round:
+    """The round key's value (empty: no round yet).
+
+    Raises:
+        EtcdStateError: the value is not a round as this module writes it.
+    """
+    if not value:
+        return NO_ROUND
+    doc = _json_object(value, "The round key")
+    return Round(
+        round=_get(doc, "round", int, -1, "The round key"),
+        members=_str_map(doc, "members", "The round key"),
+        master_addr=_get(doc, "master_addr", str, "", "The round key"),
+        master_port=_get(doc, "master_port", int, 0, "The round key"),
+        closer=_get(doc, "closer", str, "", "The round key"),
+        waiting=_get(doc, "waiting", int, 0, "The round key"),
+        joining=_str_tuple(doc, "joining", "The round key"),
+        lost=_str_tuple(doc, "lost", "The round key"),
+        stale=_str_map(doc, "stale", "The round key"),
+        closed=_get(doc, "closed", bool, False, "The round key"),
+    )
+
+
+def decode_round(value: bytes) -> Round:
+    """:func:`parse_round`, but an unreadable round is no round yet (with a warning)."""
+    try:
+        return parse_round(value)
+    except EtcdStateError as exc:
+        logger.warning("%s Treating it as no round yet.", exc)
+        return NO_ROUND
+
+
+def parse_member(kv: KeyValue, prefix: bytes) -> Member:
+    """A member key's announcement, with the key's revisions.
+
+    Raises:
+        EtcdStateError: the value is not an announcement as this module writes it.
+    """
+    what = f"The member key '{kv.key.decode(errors='replace')}'"
+    doc = _json_object(kv.value, what)
+    return Member(
+        name=kv.key[len(prefix) :].decode(errors="replace"),
+        create_revision=kv.create_revision,
+        mod_revision=kv.mod_revision,
+        addr=_get(doc, "addr", str, None, what),
+        pid=_get(doc, "pid", int, None, what),
+        local_id=_get(doc, "local_id", int, None, what),
+        probe=_get(doc, "probe", int, None, what),
+        port=_get(doc, "port", int, None, what),
+        after=_get(doc, "after", int, None, what),
+        local_world_size=_get(doc, "local_world_size", int, 1, what),
+    )
+
+
+def decode_member(kv: KeyValue, prefix: bytes) -> Member | None:
+    """:func:`parse_member`; None (with a warning) for a value we cannot read."""
+    try:
+        return parse_member(kv, prefix)
+    except EtcdStateError as exc:
+        logger.warning("%s Ignoring it.", exc)
+        return None
+
+
+def decode_members(kvs: list[KeyValue], prefix: bytes) -> list[Member]:
+    """The readable members of ``kvs`` (each unreadable one is logged and skipped)."""
+    return [m for kv in kvs if (m := decode_member(kv, prefix)) is not None]
+
+
+def _json_object(value: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(value)
+    except ValueError as exc:
+        raise EtcdStateError(f"{what} holds no JSON ({exc}); delete it.") from exc
+    if not isinstance(doc, dict):
+        raise EtcdStateError(f"{what} holds JSON that is no object; delete it.")
+    return doc
+
+
+def _get(doc: dict[str, Any], name: str, kind: type[T], default: T | None, what: str) -> T:
+    if name not in doc and default is not None:
+        return default
+    value = doc.get(name)
+    # bool is an int in Python, but no int field of ours takes one (nor a float).
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise EtcdStateError(
+            f"{what} has no {kind.__name__} '{name}' (it holds {value!r}); delete it."
+        )
+    return value
+
+
+def _str_map(doc: dict[str, Any], name: str, what: str) -> dict[str, int]:
+    value = _get(doc, name, dict, {}, what)
+    if not all(isinstance(k, str) and type(v) is int for k, v in value.items()):
+        raise EtcdStateError(f"{what} has a '{name}' that maps names to non-integers; delete it.")
+    return value
+
+
+def _str_tuple(doc: dict[str, Any], name: str, what: str) -> tuple[str, ...]:
+    value = _get(doc, name, list, [], what)
+    if not all(isinstance(item, str) for item in value):
+        raise EtcdStateError(f"{what} has a '{name}' that lists non-names; delete it.")
+    return tuple(value)
+
+
+__all__ = [
+    "NO_ROUND",
+    "Announcement",
+    "Member",
+    "Round",
+    "decode_member",
+    "decode_members",
+    "decode_round",
+    "parse_member",
+    "parse_round",
+]

@@ -1,0 +1,98 @@
+"""What one node of the announce rendezvous knows, shared by its threads under one lock.
+
+The handler (the agent's thread), the watch thread (:mod:`.follower` or, as the closer,
+:mod:`.closer`) and the keeper's threads (:mod:`.keeper`) read and change one
+:class:`NodeState`. Every field is read and written with ``cond`` held, except where a
+method says otherwise; ``cond`` is notified whenever the round or ``expired`` changes, which
+is what ``next_rendezvous`` waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from elastic.etcd.client import KeyValue, WatchHandle
+from elastic.rendezvous.announce.policy import Limits, Timers, View
+from elastic.rendezvous.announce.records import NO_ROUND, Member, Round, decode_round
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class NodeState:
+    """One node's view of its rendezvous (see the module docstring for the locking)."""
+
+    name: str
+    run_id: str
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    stopped: threading.Event = field(default_factory=threading.Event)
+    probe_now: threading.Event = field(default_factory=threading.Event)  # wakes the prober
+    watch: WatchHandle = field(default_factory=WatchHandle)  # the watch thread's stream
+    # This node's announcement: its key's create_revision, and whether its lease expired.
+    create_rev: int = 0
+    expired: bool = False
+    # The newest round, and the revisions each watched key was seen up to.
+    round: Round = NO_ROUND
+    round_rev: int = 0  # the round key's mod_revision (0: absent)
+    round_seen: int = 0
+    pred: Member | None = None  # the next older member, which this node watches over
+    pred_seen: int = 0
+    # Only the closer: every member, the fence's high mark, its clocks.
+    closer: bool = False
+    members: dict[str, Member] = field(default_factory=dict)
+    members_seen: int = 0  # 0: read them all (again)
+    high: int | None = None  # the newest round ever published (None: none)
+    timers: Timers = field(default_factory=lambda: Timers(last_change=time.monotonic()))
+    ports: dict[str, int] = field(default_factory=dict)  # probe ports by node name
+
+    def view(self, limits: Limits) -> View:
+        """The closer's frozen view for :mod:`.policy`."""
+        return View(self.round, dict(self.members), limits)
+
+    def touch(self, now: float) -> None:
+        """The members changed at ``now`` (the last call starts again)."""
+        self.timers = replace(self.timers, last_change=now)
+
+    def set_round(self, round_: Round, mod_revision: int, seen: int = 0) -> None:
+        """Take a round read at ``mod_revision``, unless it is older than the one held (a
+        read that raced with a newer event or with our own publication)."""
+        self.round_seen = max(self.round_seen, seen)
+        if mod_revision < self.round_rev or (not mod_revision and self.round_rev):
+            return
+        self.round = round_
+        self.round_rev = mod_revision
+        self.probe_now.set()  # a new round: see its peers accept while they are alive
+        self.cond.notify_all()
+
+    def set_round_kv(self, kvs: list[KeyValue], seen: int = 0) -> None:
+        """:meth:`set_round` of a read of the round key (no key: no round)."""
+        if kvs:
+            self.set_round(decode_round(kvs[0].value), kvs[0].mod_revision, seen)
+        else:
+            self.set_round(NO_ROUND, 0, seen)
+
+    def set_pred(self, pred: Member | None, revision: int) -> None:
+        """A new predecessor seen at ``revision``; with none, this node is the closer."""
+        if pred != self.pred:
+            self.probe_now.set()
+        self.pred = pred
+        self.pred_seen = revision
+        if pred is not None:
+            self.ports[pred.name] = pred.probe
+            self.closer = False  # an older node is back (after an outage of ours)
+        elif not self.closer:
+            self.closer = True
+            self.members_seen = 0  # read them all once
+            logger.info("The node '%s' is the closer of '%s'.", self.name, self.run_id)
+
+    def expire(self) -> None:
+        """This node's key is gone (its lease expired, or it was reaped): announce again."""
+        self.expired = True
+        self.closer = False
+        self.cond.notify_all()
+
+
+__all__ = ["NodeState"]
