@@ -1,0 +1,112 @@
+"""The announce rendezvous' records (elastic.rendezvous.announce.records): what is written
+is read back, what the previous release wrote still reads, and a malformed record is
+reported in one sentence naming the key."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from elastic.errors import EtcdStateError
+from elastic.etcd.client import KeyValue
+from elastic.rendezvous.announce.records import (
+    NO_ROUND,
+    Announcement,
+    Round,
+    decode_member,
+    decode_round,
+    parse_member,
+    parse_round,
+)
+
+PREFIX = b"/elastic/run/announce/members/"
+
+
+def test_a_round_reads_back_as_written() -> None:
+    round_ = Round(3, {"a": 0, "b": 1}, "10.0.0.1", 29500, "a", 1, ("c",), ("d",), {"e": 7})
+    assert parse_round(round_.encode()) == round_
+    closed = Round(3, {"a": 0}, closed=True)
+    assert parse_round(closed.encode()) == closed
+    assert "closed" not in json.loads(round_.encode())  # as before: only once closed
+
+
+def test_a_round_of_the_previous_release_reads() -> None:
+    old = {
+        "round": 2,
+        "members": {"n1": 0, "n2": 1},
+        "master_addr": "h1",
+        "master_port": 1234,
+        "closer": "n1",
+        "waiting": 0,
+        "joining": [],
+        "lost": [],
+        "stale": {},
+    }
+    round_ = parse_round(json.dumps(old).encode())
+    assert (round_.round, dict(round_.members), round_.master_port) == (2, old["members"], 1234)
+    assert parse_round(b'{"closed": true}') == Round(closed=True)  # set_closed before a round
+
+
+def test_no_round_key_is_no_round() -> None:
+    assert parse_round(b"") is NO_ROUND
+    assert not NO_ROUND.takes("a", -1)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (b"not json", "holds no JSON"),
+        (b"[1, 2]", "holds JSON that is no object"),
+        (b'{"round": "3"}', "has no int 'round' \\(it holds '3'\\)"),
+        (b'{"round": true}', "has no int 'round'"),
+        (b'{"members": {"a": "0"}}', "has a 'members' that maps names to non-integers"),
+        (b'{"joining": [1]}', "has a 'joining' that lists non-names"),
+        (b'{"closed": 1}', "has no bool 'closed'"),
+    ],
+)
+def test_a_malformed_round_is_one_sentence(value: bytes, why: str) -> None:
+    with pytest.raises(EtcdStateError, match=rf"^The round key {why}.*; delete it\.$"):
+        parse_round(value)
+
+
+def test_an_unreadable_round_is_no_round_yet_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert decode_round(b"{oops") is NO_ROUND
+    assert "The round key holds no JSON" in caplog.text
+    assert "Treating it as no round yet." in caplog.text
+
+
+def kv(name: str, value: bytes) -> KeyValue:
+    return KeyValue(PREFIX + name.encode(), value, create_revision=5, mod_revision=9, lease=77)
+
+
+def test_an_announcement_reads_back_as_a_member() -> None:
+    value = Announcement("10.0.0.1", 42, 0, 9001, 29500, after=3, local_world_size=8).encode()
+    member = parse_member(kv("n1", value), PREFIX)
+    assert (member.name, member.create_revision, member.mod_revision) == ("n1", 5, 9)
+    assert (member.addr, member.pid, member.probe, member.port) == ("10.0.0.1", 42, 9001, 29500)
+    assert (member.after, member.local_world_size, member.order) == (3, 8, ("10.0.0.1", 42, 0))
+
+
+def test_an_announcement_without_local_world_size_reads_as_one() -> None:
+    value = b'{"addr": "h", "pid": 1, "local_id": 0, "probe": 2, "port": 3, "after": -1}'
+    assert parse_member(kv("n1", value), PREFIX).local_world_size == 1
+
+
+def test_a_malformed_member_is_one_sentence_and_skipped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    value = b'{"addr": "h", "local_id": 0, "probe": 2, "port": 3, "after": -1}'
+    key = (PREFIX + b"n1").decode()
+    with pytest.raises(
+        EtcdStateError,
+        match=rf"^The member key '{key}' has no int 'pid' \(it holds None\); delete it\.$",
+    ):
+        parse_member(kv("n1", value), PREFIX)
+    with caplog.at_level(logging.WARNING):
+        assert decode_member(kv("n1", value), PREFIX) is None
+    assert "Ignoring it." in caplog.text
