@@ -5,9 +5,11 @@ Public surface:
 * :class:`CheckpointManager`: async save (one in flight), commit, purge, resume;
 * :func:`find_latest_complete`: the newest complete step of a run (``elastic status``);
 * :func:`inspect_step`, :func:`list_steps`, :func:`step_url`: layout helpers;
+* :func:`init_from`: start from a DCP checkpoint another program wrote (plain ``dcp.save``);
 * :func:`validate_run_id`: refuses run ids that do not name one directory.
 """
 
+from elastic.checkpoint.foreign import init_from
 from elastic.checkpoint.layout import (
     COMMIT_MARKER,
     StepInfo,
@@ -28,6 +30,7 @@ __all__ = [
     "Stager",
     "StepInfo",
     "find_latest_complete",
+    "init_from",
     "inspect_step",
     "list_steps",
     "step_url",

@@ -11,17 +11,18 @@ Layout::
 Every save writes into a fresh ``save-<nonce>`` directory, so a save never
 deletes or overwrites anything to make room: a stale or failing writer cannot
 damage a committed step. The commit marker names the attempt, the run, the
-writers' rendezvous job and round, and every file with its size and CRC-32
-(``.metadata`` also with its SHA-256); with a job secret (:mod:`elastic.secret`)
-it carries an HMAC-SHA256 over all of that. It replaces any older marker of the
+writers' rendezvous job and round, and every file with its size and digest
+(:mod:`elastic.checkpoint.digest`: CRC-32, or a SHA-256 tree when signed; ``.metadata``
+also with its SHA-256); with a job secret (:mod:`elastic.secret`) it carries an
+HMAC-SHA256 over all of that. It replaces any older marker of the
 step atomically (temporary file + rename).
 
 A step is *complete* only when ``COMMIT.json`` exists, is well formed, names
 this run, is signed with this job's secret (when there is one), and every file
 it lists exists with the recorded size (and, with ``verify="full"``, the
-recorded CRC-32). Anything else is never loaded. Markers written before this
-layout (no ``attempt``: the files lie in the step directory) are still read
-when no secret is configured.
+recorded digest; a signed marker must record a SHA-256 tree). Anything else is never
+loaded. Markers written before this layout (no ``attempt``: the files lie in the
+step directory) are still read when no secret is configured.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from typing import Any, Literal
 import fsspec
 
 from elastic import secret as signing
+from elastic.checkpoint.digest import SHA256_TREE, digest_of, recorded_kind
 from elastic.checkpoint.storage import (
     METADATA,
-    crc32_of,
     filesystem,
     join,
     write_atomically,
@@ -51,11 +52,12 @@ from elastic.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMIT.json"
-MARKER_VERSION = 2
+MARKER_VERSION = 3  # 3: a signed marker vouches for every file by a SHA-256 tree
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _ATTEMPT = re.compile(r"^save-[0-9a-f]{8,64}$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 Verify = Literal["full", "size"]
+_WARNED_WEAK: list[bool] = []  # the CRC-only signed marker warning, once per process
 
 
 @dataclass(frozen=True)
@@ -224,12 +226,36 @@ def inspect_step(
                 "commit marker signature does not match this job's secret (forged or foreign)",
                 True,
             )
+        weak = _weakly_vouched(marker)
+        if weak:
+            return verdict(weak)
     dfs, droot = filesystem(data_url)
     for name, expected in marker["files"].items():
         problem = _check_file(dfs, f"{droot}/{name}", expected, verify)
         if problem:
             return verdict(f"{name}: {problem}")
     return verdict()
+
+
+def _weakly_vouched(marker: Mapping[str, Any]) -> str:
+    """Why a signed marker does not vouch for its files by a SHA-256 tree, or ``""``.
+
+    Markers of version 2 (before the SHA-256 tree) vouch by CRC-32 only: still loaded, with a
+    warning, so that a run resumes across the upgrade.
+    """
+    weak = sorted(n for n, e in marker["files"].items() if not isinstance(e.get(SHA256_TREE), str))
+    if not weak:
+        return ""
+    if int(marker.get("version") or 0) >= MARKER_VERSION:
+        return f"signed commit marker vouches for {weak[0]} by CRC-32 only (forged)"
+    if not _WARNED_WEAK:
+        _WARNED_WEAK.append(True)
+        logger.warning(
+            "A signed checkpoint marker of version %s vouches for its files by CRC-32 only: "
+            "the storage could alter them undetected; new saves vouch by a SHA-256 tree.",
+            marker.get("version"),
+        )
+    return ""
 
 
 def _signed_content(marker: Mapping[str, Any]) -> bytes:
@@ -251,11 +277,11 @@ def _malformed(marker: Any, step: int) -> str:
             return f"bad file name {name!r}"
         if not isinstance(entry, dict):
             return f"{name}: entry is not an object"
-        size, crc = entry.get("size"), entry.get("crc32")
+        size = entry.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             return f"{name}: no valid size"
-        if not isinstance(crc, str):
-            return f"{name}: no CRC-32"
+        if recorded_kind(entry) is None:
+            return f"{name}: no CRC-32 or SHA-256 tree"
     if marker.get("step", step) != step:
         return f"names step {marker.get('step')!r}"
     attempt = marker.get("attempt")
@@ -274,7 +300,8 @@ def _check_file(
         size = fs.info(path)["size"]
         if size != expected["size"]:
             return f"size {size} bytes, expected {expected['size']} (truncated or overwritten)"
-        if verify == "full" and crc32_of(fs, path) != expected["crc32"]:
+        kind = recorded_kind(expected)
+        if verify == "full" and kind and digest_of(fs, path, kind) != expected[kind]:
             return "checksum mismatch (corrupt)"
     except FileNotFoundError:
         return "missing"

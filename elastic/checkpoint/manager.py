@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import events
 from elastic import secret as signing
+from elastic.checkpoint.digest import kind_for
 from elastic.checkpoint.layout import (
     StepInfo,
     complete_steps,
@@ -282,7 +283,7 @@ class CheckpointManager:
         attempt = self._start_attempt(step)
         if attempt.startswith("save-"):
             try:
-                writer = HashingWriter(join(url, attempt))
+                writer = HashingWriter(join(url, attempt), kind_for(self.secret is not None))
                 dcp.save(
                     staged,
                     storage_writer=writer,

@@ -4,24 +4,25 @@ torch 2.14 keeps ``FsspecWriter`` and ``FsspecReader`` in the private module
 ``torch.distributed.checkpoint._fsspec_filesystem``; if it moves, only this
 module changes. :class:`HashingWriter` changes three things in torch's writer:
 
-* each rank's tensors go to one file (``__<rank>_0.distcp``) as their raw bytes,
-  one large sequential write after another, instead of one ``torch.save`` zip
-  record per tensor: that per-tensor serialization made a save 3-5x slower than
-  one ``torch.save`` of the whole state. Each tensor record carries the
-  transform descriptor :data:`RAW_FORMAT`; :class:`VerifyingReader` reads those
-  records straight into the destination tensors (older checkpoints, written as
-  ``torch.save`` records, still load), and torch's own reader refuses them
-  ("Unknown extension") instead of misreading them. Non-tensor items are
-  ``torch.save`` bytes as before;
-* every byte written is checksummed (CRC-32 as zlib computes it, about 6x
-  cheaper than SHA-256 on this class of CPU and GIL-free; ISA-L's 5-6x faster
-  implementation of the same checksum where the optional ``isal`` package is
-  installed) on the way out, in one pass that runs beside the writes, so the
-  commit marker records checksums without reading the checkpoint back. The
-  checksum guards against torn, truncated and bit-flipped files, not against
-  tampering; ``.metadata`` (small, and unpickled on load) also gets a SHA-256,
-  which the signed commit marker carries and :class:`VerifyingReader` checks
-  before it unpickles a byte;
+* each rank's tensors go to one file (``__<rank>_0.distcp``), one large
+  sequential write after another, each in torch's own format: the
+  ``torch.save`` record of the tensor, whose head and tail torch writes once
+  per dtype and shape (:mod:`elastic.checkpoint.record`) while the tensor's
+  memory goes to the file as it is. Serializing each tensor through
+  ``torch.save`` made a save 3-5x slower than one ``torch.save`` of the whole
+  state; this costs the same as raw bytes (about 1.5 KB of headers per
+  tensor) and torch's stock tools read it: ``FileSystemReader``, ``dcp.load``,
+  ``format_utils.dcp_to_torch_save``, with nothing of ours imported.
+  :class:`VerifyingReader` reads such records straight into the destination
+  tensors, and still reads the raw records of :data:`RAW_FORMAT` that earlier
+  versions wrote (torch's reader refuses those: "Unknown extension");
+  non-tensor items are ``torch.save`` bytes as in torch;
+* every byte written is digested on the way out (:mod:`elastic.checkpoint.digest`:
+  CRC-32, or a SHA-256 tree when the marker is signed), in one pass that runs beside
+  the writes, so the commit marker records digests without reading the
+  checkpoint back. ``.metadata`` (small, and unpickled on load) also gets a
+  SHA-256, which the signed commit marker carries and :class:`VerifyingReader`
+  checks before it unpickles a byte;
 * local files are written with ``os.write`` on the staged tensors' memory (no
   copy, no Python buffering), their write-back to the disk is started as the
   writes go (``sync_file_range`` on Linux) and they are fsynced once at the end.
@@ -39,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-import importlib
 import io
 import logging
 import os
@@ -48,7 +48,6 @@ import secrets
 import sys
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
@@ -92,44 +91,41 @@ from torch.distributed.checkpoint.planner_helpers import (  # private in torch 2
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
+from elastic.checkpoint.digest import (
+    CRC32,
+    CRC32_IMPLEMENTATION,
+    FileDigest,
+    bytes_digest,
+    crc32,
+    recorded_kind,
+)
+from elastic.checkpoint.record import frame
 from elastic.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 METADATA = ".metadata"
 # The transform descriptor of a tensor stored as its raw bytes (C order, little-endian, the
-# dtype and chunk shape that .metadata records); torch's own reader rejects it as unknown.
+# dtype and chunk shape that .metadata records), as versions before torch-format records
+# wrote them; read, never written. torch's own reader rejects it as unknown.
 RAW_FORMAT = "elastic-raw/1"
 _CHUNK = 8 << 20  # bytes per write call and per started write-back
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _crc32_function() -> tuple[Callable[[Any, int], int], str]:
-    """ISA-L's CRC-32 where the optional ``isal`` package is installed (the same checksum
-    as zlib's, 5-6x faster with carry-less multiply), else zlib's."""
-    try:
-        module = importlib.import_module("isal.isal_zlib")
-    except ImportError:
-        return zlib.crc32, "zlib"
-    return module.crc32, "isal"
-
-
-crc32, CRC32_IMPLEMENTATION = _crc32_function()
-
-
 class _HashingStream:
-    """A write-only stream proxy that hashes and counts what passes through."""
+    """A write-only stream proxy that digests and counts what passes through."""
 
-    def __init__(self, raw: Any, record: dict[str, Any], sha256: bool = False) -> None:
+    def __init__(self, raw: Any, record: dict[str, Any], kind: str, sha256: bool) -> None:
         self._raw = raw
-        self._crc = 0
+        self._digest = FileDigest(kind)
         self._record = record
         self._size = 0
         self._sha = hashlib.sha256() if sha256 else None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._crc = crc32(view, self._crc)
+        self._digest.update(bytes(view))  # a copy: the caller may reuse its buffer (small)
         if self._sha is not None:
             self._sha.update(view)
         self._size += view.nbytes
@@ -147,7 +143,7 @@ class _HashingStream:
 
     def seal(self) -> None:
         """Record the size and digest of everything written so far."""
-        self._record.update(size=self._size, crc32=f"{self._crc:08x}")
+        self._record.update(size=self._size, **self._digest.record())
         if self._sha is not None:
             self._record["sha256"] = self._sha.hexdigest()
 
@@ -156,12 +152,16 @@ class _HashingStream:
 
 
 class HashingWriter(FsspecWriter):
-    """torch's ``FsspecWriter`` that writes each rank's tensors as raw bytes into one file
-    and records a CRC-32 and size per file it writes (in :attr:`written`)."""
+    """torch's ``FsspecWriter`` that writes each rank's tensors into one file as
+    ``torch.save`` records framed around their memory, and records a digest (``digest``:
+    CRC-32 or a SHA-256 tree, :mod:`elastic.checkpoint.digest`) and size per file it writes
+    (in :attr:`written`)."""
 
-    def __init__(self, path: str, **kwargs: Any) -> None:
+    def __init__(self, path: str, digest: str = CRC32, **kwargs: Any) -> None:
         super().__init__(path, sync_files=True, **kwargs)
         self.written: dict[str, dict[str, Any]] = {}
+        self.digest = digest
+        FileDigest(digest)  # refuse an unknown kind now, not in the writer thread
         self._lock = threading.Lock()
         inner = self.fs.create_stream
         self._open_stream = inner  # torch's: removes a partly written file on error
@@ -176,7 +176,7 @@ class HashingWriter(FsspecWriter):
             record = self._record(name)
             with inner(path, mode) as stream, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="fsync not supported")
-                proxy = _HashingStream(stream, record, sha256=name == METADATA)
+                proxy = _HashingStream(stream, record, digest, sha256=name == METADATA)
                 yield proxy
                 proxy.seal()
 
@@ -189,44 +189,47 @@ class HashingWriter(FsspecWriter):
         return record
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
-        """Write this rank's items into ``<prefix>0.distcp`` in plan order (tensors as their
-        raw bytes, other values as their ``torch.save`` bytes), checksummed beside the
-        writes and fsynced once."""
-        if sys.byteorder != "little":  # RAW_FORMAT is little-endian: torch's records instead
+        """Write this rank's items into ``<prefix>0.distcp`` in plan order (tensors as
+        ``torch.save`` records around their memory, other values as their ``torch.save``
+        bytes), digested beside the writes and fsynced once."""
+        if sys.byteorder != "little":  # the framed records are little-endian
             return super().write_data(plan, planner)
         storage: _StoragePrefix = plan.storage_data
         name = f"{storage.prefix}0{DEFAULT_SUFFIX}"
-        blobs: list[tuple[WriteItem, memoryview, list[str] | None]] = []
+        views: list[memoryview] = []
         keep: list[Any] = []  # owners of the views' memory, alive until the file is closed
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                if not isinstance(data, io.BytesIO):
-                    raise CheckpointError(
-                        f"The planner resolved the non-tensor item {item.index.fqn} to a "
-                        f"{type(data).__name__}, not bytes; it cannot be written."
-                    )
-                keep.append(data)
-                blobs.append((item, data.getbuffer(), None))
-            else:
-                tensor = _cpu_contiguous(data)
-                keep.append(tensor)
-                blobs.append((item, byte_view(tensor), [RAW_FORMAT]))
-        path = self.fs.concat_path(self.path, name)
         results: list[WriteResult] = []
         offset = 0
-        for item, view, descriptors in blobs:
-            info = _StorageInfo(name, offset, view.nbytes, transform_descriptors=descriptors)
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=view.nbytes, storage_data=info)
-            )
-            offset += view.nbytes
+        for item in plan.items:
+            parts = _item_views(item, planner.resolve_data(item), keep)
+            length = sum(part.nbytes for part in parts)
+            info = _StorageInfo(name, offset, length)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+            views += parts
+            offset += length
+        path = self.fs.concat_path(self.path, name)
         with self._open_stream(path, "wb") as stream:
-            size, crc = write_views(stream, [view for _, view, _ in blobs])
-        self._record(name).update(size=size, crc32=f"{crc:08x}")  # closed, and durable
+            size, digest = write_views(stream, views, self.digest)
+        self._record(name).update(size=size, **digest)  # closed, and durable
         future: TorchFuture[list[WriteResult]] = TorchFuture()
         future.set_result(results)
         return future
+
+
+def _item_views(item: WriteItem, data: Any, keep: list[Any]) -> list[memoryview]:
+    """The byte views that make up one item's record (``keep`` receives their owners)."""
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise CheckpointError(
+                f"The planner resolved the non-tensor item {item.index.fqn} to a "
+                f"{type(data).__name__}, not bytes; it cannot be written."
+            )
+        keep.append(data)
+        return [data.getbuffer()]
+    tensor = _cpu_contiguous(data)
+    keep.append(tensor)
+    framing = frame(tensor.dtype, tuple(tensor.shape))
+    return [memoryview(framing.head), byte_view(tensor), memoryview(framing.tail)]
 
 
 def _cpu_contiguous(data: Any) -> torch.Tensor:
@@ -256,34 +259,36 @@ def _chunks(views: Sequence[memoryview]) -> Iterator[memoryview]:
             yield view[start : start + _CHUNK]
 
 
-def write_views(stream: Any, views: Sequence[memoryview]) -> tuple[int, int]:
+def write_views(
+    stream: Any, views: Sequence[memoryview], kind: str = CRC32
+) -> tuple[int, dict[str, str]]:
     """Write ``views`` one after another to ``stream`` and make them durable; return the
-    total size and the CRC-32 of it all.
+    total size and the digest of it all (``{kind: hex}``).
 
-    The CRC runs in a second thread over the same memory while this one writes
+    The digest runs in a second thread over the same memory while this one writes
     (both release the GIL). With a file descriptor the bytes go through
     ``os.write``, write-back to the disk starts behind the writes, and one fsync
     ends it; without one (remote stores) through ``stream.write``, and the
     store makes them durable when the stream closes.
     """
-    crc_result: Future[int] = Future()
+    digest_result: Future[dict[str, str]] = Future()
 
     def checksum() -> None:
         try:
-            crc = 0
+            digest = FileDigest(kind)
             for chunk in _chunks(views):
-                crc = crc32(chunk, crc)
-            crc_result.set_result(crc)
+                digest.update(chunk)
+            digest_result.set_result(digest.record())
         except BaseException as exc:  # handed to the writer below
-            crc_result.set_exception(exc)
+            digest_result.set_exception(exc)
 
-    checksummer = threading.Thread(target=checksum, name="elastic-ckpt-crc", daemon=True)
+    checksummer = threading.Thread(target=checksum, name="elastic-ckpt-digest", daemon=True)
     checksummer.start()
     try:
         size = _write_chunks(stream, views)
     finally:
         checksummer.join()
-    return size, crc_result.result()
+    return size, digest_result.result()
 
 
 def _write_chunks(stream: Any, views: Sequence[memoryview]) -> int:
@@ -365,51 +370,82 @@ class VerifyingReader(FsspecReader):
         self._metadata = metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
-        """Read raw tensor records (:data:`RAW_FORMAT`) straight into their destinations,
-        file by file in offset order; everything else the way torch reads it."""
-        raw: dict[str, list[tuple[ReadItem, _StorageInfo]]] = {}
+        """Read tensors straight into their destinations, file by file in offset order:
+        framed ``torch.save`` records (:mod:`elastic.checkpoint.record`) and raw ones
+        (:data:`RAW_FORMAT`); everything else (other records, non-tensor items) the way
+        torch reads it."""
+        tensors: dict[str, list[tuple[ReadItem, _StorageInfo]]] = {}
         others: list[ReadItem] = []
         for item in plan.items:
             info: _StorageInfo = self.storage_data[item.storage_index]
-            if item.type == LoadItemType.TENSOR and RAW_FORMAT in (
-                info.transform_descriptors or ()
-            ):
-                raw.setdefault(info.relative_path, []).append((item, info))
+            descriptors = list(info.transform_descriptors or ())
+            if item.type == LoadItemType.TENSOR and descriptors in ([], [RAW_FORMAT]):
+                tensors.setdefault(info.relative_path, []).append((item, info))
             else:
                 others.append(item)
-        if others:
-            super().read_data(dataclasses.replace(plan, items=others), planner).wait()
-        for relative_path, reads in raw.items():
+        for relative_path, reads in tensors.items():
             path = os.fspath(self.fs.concat_path(self.path, relative_path))
             with self.fs.create_stream(path, "rb") as stream:
                 for item, info in sorted(reads, key=lambda read: read[1].offset):
-                    self._read_raw(stream, path, item, info, planner)
+                    if not self._read_tensor(stream, path, item, info, planner):
+                        others.append(item)
+        if others:
+            super().read_data(dataclasses.replace(plan, items=others), planner).wait()
         future: TorchFuture[None] = TorchFuture()
         future.set_result(None)
         return future
 
-    def _read_raw(
+    def _read_tensor(
         self, stream: Any, path: str, item: ReadItem, info: _StorageInfo, planner: LoadPlanner
-    ) -> None:
+    ) -> bool:
+        """Read one tensor record whose bytes lie plainly in the file; ``False`` for a
+        ``torch.save`` record of another shape (torch's reader then loads it)."""
         fqn = item.storage_index.fqn
         meta = self._metadata.state_dict_metadata.get(fqn) if self._metadata else None
-        if not isinstance(meta, TensorStorageMetadata) or list(
-            info.transform_descriptors or ()
-        ) != [RAW_FORMAT]:
-            raise CheckpointError(
-                f"The checkpoint {self.path} records {fqn} as raw bytes but does not describe "
-                "it as one plain tensor; it was not written by this version."
-            )
+        legacy = bool(info.transform_descriptors)
+        if not isinstance(meta, TensorStorageMetadata):
+            if legacy:
+                raise CheckpointError(
+                    f"The checkpoint {self.path} records {fqn} as raw bytes but does not "
+                    "describe it as one plain tensor; it was not written by this version."
+                )
+            return False
         sizes = _stored_chunk_sizes(meta, item.storage_index)
         dtype = meta.properties.dtype
-        nbytes = sizes.numel() * torch.empty((), dtype=dtype).element_size()
-        if nbytes != info.length:
-            raise CheckpointError(
-                f"The checkpoint {self.path} records {info.length} bytes for {fqn}, but its "
-                f"shape {list(sizes)} of {dtype} takes {nbytes}."
-            )
-        target = planner.resolve_tensor(item).detach()
+        if legacy:
+            nbytes = sizes.numel() * torch.empty((), dtype=dtype).element_size()
+            if nbytes != info.length:
+                raise CheckpointError(
+                    f"The checkpoint {self.path} records {info.length} bytes for {fqn}, but "
+                    f"its shape {list(sizes)} of {dtype} takes {nbytes}."
+                )
+            self._read_raw(stream, path, item, planner, info.offset, sizes, dtype)
+            return True
+        framing = frame(dtype, tuple(sizes))
+        if info.length != framing.length:
+            return False
         stream.seek(info.offset)
+        if stream.read(framing.data_offset) != framing.head:
+            return False
+        self._read_raw(stream, path, item, planner, None, sizes, dtype)
+        return True
+
+    def _read_raw(
+        self,
+        stream: Any,
+        path: str,
+        item: ReadItem,
+        planner: LoadPlanner,
+        offset: int | None,
+        sizes: torch.Size,
+        dtype: torch.dtype,
+    ) -> None:
+        """Read a stored chunk's raw bytes (at ``offset``, or where ``stream`` stands)."""
+        fqn = item.storage_index.fqn
+        nbytes = sizes.numel() * torch.empty((), dtype=dtype).element_size()
+        target = planner.resolve_tensor(item).detach()
+        if offset is not None:
+            stream.seek(offset)
         if (
             target.device.type == "cpu"
             and target.dtype == dtype
@@ -499,7 +535,8 @@ def metadata_problem(data: bytes, expected: dict[str, Any] | None) -> str:
         return ""
     if len(data) != expected.get("size"):
         return f"size {len(data)} bytes, expected {expected.get('size')}"
-    if f"{crc32(data, 0):08x}" != expected.get("crc32"):
+    kind = recorded_kind(expected)
+    if kind is None or bytes_digest(data, kind) != expected[kind]:
         return "checksum mismatch"
     sha = expected.get("sha256")
     if sha is not None and hashlib.sha256(data).hexdigest() != sha:
@@ -585,11 +622,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, but non-tensor items load with ``weights_only=True``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+        store_loaded(self, read_item, torch.load(value, weights_only=True))
+
+
+def store_loaded(planner: DefaultLoadPlanner, read_item: ReadItem, obj: Any) -> None:
+    """Put a loaded non-tensor value where ``planner`` keeps its state (what DCP's own
+    ``load_bytes`` does after its unrestricted ``torch.load``)."""
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = obj
 
 
 def make_reader(path: str, expected_metadata: dict[str, Any] | None = None) -> FsspecReader:
@@ -661,15 +703,6 @@ def probe_writable(url: str) -> None:
     fs.rm(probe)
 
 
-def crc32_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) -> str:
-    """Checksum a stored file by streaming it (same format as the writer records)."""
-    crc = 0
-    with fs.open(path, "rb") as f:
-        while block := f.read(chunk):
-            crc = crc32(block, crc)
-    return f"{crc:08x}"
-
-
 __all__ = [
     "CRC32_IMPLEMENTATION",
     "METADATA",
@@ -680,13 +713,13 @@ __all__ = [
     "VerifyingReader",
     "byte_view",
     "crc32",
-    "crc32_of",
     "filesystem",
     "fsync_directory",
     "join",
     "make_reader",
     "metadata_problem",
     "probe_writable",
+    "store_loaded",
     "write_atomically",
     "write_durably",
     "write_views",

@@ -1,0 +1,101 @@
+"""Checkpoints in torch's format: the project writes, torch's stock tools read, and back.
+
+Every reader here runs in a fresh Python that never imports elastic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.checkpoint.foreign import init_from
+from elastic.checkpoint.storage import METADATA
+from elastic.errors import CheckpointError
+
+from .conftest import (
+    assert_same_bytes,
+    make_state,
+    run_without_elastic,
+    save_with_project,
+    zeros_like,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+STOCK_READ = """
+import torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+src, out = {src!r}, {out!r}
+dcp_to_torch_save(src, out + ".converted")
+template = torch.load({template!r}, weights_only=True)
+dcp.load(template, storage_reader=FileSystemReader(src))
+torch.save({{"converted": torch.load(out + ".converted", weights_only=True),
+            "loaded": template}}, out)
+"""
+
+
+def test_a_project_checkpoint_loads_with_torchs_stock_tools(tmp_path: Path) -> None:
+    state = make_state(1)
+    info = save_with_project(str(tmp_path / "ckpt"), 3, state)
+    template = tmp_path / "template.pt"
+    torch.save(zeros_like(state), template)
+    out = tmp_path / "read.pt"
+    code = STOCK_READ.format(src=info.data_url, out=str(out), template=str(template))
+    run_without_elastic(code, tmp_path)
+    read = torch.load(out, weights_only=True)
+    want = {**state, "model": {k: v.contiguous() for k, v in state["model"].items()}}
+    assert_same_bytes(read["converted"], want)
+    assert_same_bytes(read["loaded"], want)
+
+
+def test_every_tensor_record_is_a_plain_torch_save_record(tmp_path: Path) -> None:
+    info = save_with_project(str(tmp_path / "ckpt"), 1, make_state())
+    code = f"""
+import pickle
+metadata = pickle.load(open({str(Path(info.data_url) / METADATA)!r}, "rb"))
+print(sorted({{tuple(s.transform_descriptors or ()) for s in metadata.storage_data.values()}}))
+"""
+    assert run_without_elastic(code, tmp_path).strip() == "[()]"
+
+
+STOCK_SAVE = """
+import torch, torch.distributed.checkpoint as dcp
+state = torch.load({state!r}, weights_only=True)
+dcp.save(state, checkpoint_id={dst!r})
+"""
+
+
+def test_a_stock_dcp_checkpoint_starts_a_run(tmp_path: Path) -> None:
+    state = make_state(2)
+    saved = tmp_path / "state.pt"
+    torch.save(state, saved)
+    foreign = tmp_path / "titan" / "step-100"
+    run_without_elastic(STOCK_SAVE.format(state=str(saved), dst=str(foreign)), tmp_path)
+    template = zeros_like(state)
+    template["sampler"] = {"cursor": torch.tensor(0)}
+    missing = init_from(str(foreign), template)
+    assert missing == ["sampler.cursor"]
+    cursor = template.pop("sampler")
+    assert_same_bytes(template, {**state, "model": state["model"]})
+    assert int(cursor["cursor"]) == 0
+
+
+def test_a_model_only_checkpoint_fills_the_model(tmp_path: Path) -> None:
+    state = make_state(3)
+    saved = tmp_path / "model.pt"
+    torch.save(state["model"], saved)  # torchtitan's last_save_model_only: keys at the top
+    foreign = tmp_path / "model-only"
+    run_without_elastic(STOCK_SAVE.format(state=str(saved), dst=str(foreign)), tmp_path)
+    template = zeros_like(state)
+    missing = init_from(str(foreign), template)
+    assert_same_bytes(template["model"], state["model"])
+    assert "optim.state.conv.weight.momentum_buffer" in missing
+    assert "train.step" in missing and template["train"]["step"] == -1
+
+
+def test_starting_from_a_directory_without_a_checkpoint_is_one_sentence(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"holds no readable DCP checkpoint .*\.$"):
+        init_from(str(tmp_path), zeros_like(make_state()))
