@@ -43,14 +43,16 @@ from elastic.training.worker import Worker, _setup_torch, init_distributed
 
 def _block(worker: Worker, steps: int, interval: int | None) -> float:
     """Run ``steps`` steps; return samples/s (including the wait for the last save)."""
+    run = worker.run
+    assert run is not None
     started = time.perf_counter()
     for _ in range(steps):
-        result = worker.trainer.step(worker.cursor)
-        worker.step += 1
-        worker.cursor = result.cursor
-        if interval and worker.step % interval == 0:
-            worker.save(block=False)
-    worker.checkpoints.wait()
+        result = worker.trainer.step(worker.position.cursor)
+        worker.position.cursor = result.cursor
+        run.step += 1
+        if interval and run.step % interval == 0:
+            run.save(block=False)
+    run.wait()
     seconds = time.perf_counter() - started
     return steps * worker.sampler.global_batch_size / seconds
 
@@ -293,14 +295,14 @@ def main() -> None:
             ],
         )
         _setup_torch(cfg.job)
-        ctx = init_distributed(cfg.distributed)
-        worker = Worker(cfg, ctx)
+        worker = Worker(cfg, init_distributed(cfg.distributed))
         _block(worker, args.interval, args.interval)  # warm-up: allocations, first save
         off, on = [], []
         for _ in range(args.rounds):
             off.append(_block(worker, args.steps, None))
             on.append(_block(worker, args.steps, args.interval))
-        worker.checkpoints.close()
+        assert worker.run is not None
+        worker.run.close()
         dist.destroy_process_group()
     result: dict[str, Any] = {
         "provenance": provenance(),

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
-from elastic import env, events, reform
+from elastic import env, events, reform, runid
 from elastic.errors import RecoveryError
 from elastic.inplace import groups
 from elastic.inplace.channel import Assignment
@@ -78,12 +78,16 @@ class Run:
         snapshot_every: snapshot to shared memory every N steps, or ``"auto"`` (an
             interval whose cost stays under ~3 % of the step time); a failed loop
             snapshots its last completed step either way. 0: no snapshots at all.
-        run_id: names the snapshots and checkpoints; default: the rendezvous id.
+        run_id: names the snapshots and checkpoints; default: the rendezvous id, else
+            ``"local"`` (the rule: :func:`elastic.runid.resolve`).
         keep_last: persisted checkpoints kept.
         snapshot_dir: node-local shared memory (``/dev/shm``).
         global_batch_size: keep the global batch constant across world sizes: each rank's
             loader (given to :meth:`batches`) yields ``global_batch_size // world_size``
             samples a step, set again after every re-form. None: the loader's own.
+        checkpoint: every checkpoint setting (an
+            :class:`elastic.training.config.CheckpointConfig`) in place of
+            ``checkpoint_url``/``checkpoint_every``/``keep_last``.
 
     In-place re-forms: when the script formed its group with
     :func:`elastic.init_process_group` under our agent, a change of membership re-forms the
@@ -105,10 +109,11 @@ class Run:
         keep_last: int = 3,
         snapshot_dir: str = DEFAULT_DIR,
         global_batch_size: int | None = None,
+        checkpoint: Any = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.sampler = _exact(sampler)
-        self.run_id = run_id or os.environ.get(env.RUN_ID) or "local"
+        self.run_id = runid.resolve(run_id)
         self.snapshot_every = snapshot_every
         self.checkpoint_every = checkpoint_every
         self.global_batch_size = global_batch_size
@@ -130,15 +135,17 @@ class Run:
         self._fence = _fence_from_env(joined.fence if joined is not None else None)
         self._round = joined.round if joined is not None else _round_of(self._fence)
         self._checkpoints = None
-        self._ckpt_cfg: Any = None
-        if checkpoint_url is not None:
+        self._ckpt_cfg: Any = checkpoint if checkpoint is None or checkpoint.enabled else None
+        if checkpoint is not None:
+            self.checkpoint_every = checkpoint.interval
+        elif checkpoint_url is not None:
             from elastic.training.config import CheckpointConfig
 
             self._ckpt_cfg = CheckpointConfig(
                 url=str(checkpoint_url), interval=checkpoint_every, keep_last=keep_last
             )
-            if self._member is None:  # in place: made with each group (_on_new_group)
-                self._checkpoints = self._checkpoint_manager()
+        if self._ckpt_cfg is not None and self._member is None:  # in place: _on_new_group
+            self._checkpoints = self._checkpoint_manager()
         local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
         self._store = SnapshotStore(self.run_id, local_rank, directory=snapshot_dir)
         self._jit = StepSnapshots(
@@ -162,8 +169,15 @@ class Run:
         self._last_saved = -1
         self._last_step_at = time.perf_counter()
         self._batch = 0
+        self._loss = torch.zeros(2, dtype=torch.float64)  # this step's (sum, weight)
+        self.loss: float | None = None  # the group's mean loss of the last step
         if self._member is not None:
             self._on_new_group()
+        if self._checkpoints is not None and self._member is None:
+            # An unwritable URL: one sentence, at start (a collective: every rank starts
+            # here together, unlike a joiner in place, whose peers are mid-run).
+            self._checkpoints.check_storage()
+        if self._member is not None:
             self._sync_state(live=False)
         else:
             self._resume()
@@ -240,6 +254,7 @@ class Run:
             if self._stop or self._member.leaving:  # type: ignore[union-attr]
                 self._leave()  # the step in flight was this node's last
             self._rewind()
+            self._loss.zero_()
             raise _Reform
         if guard is not None:
             guard.committed = False
@@ -294,6 +309,44 @@ class Run:
             self.consumed += self._batch * self.world_size
         self.step += 1
         return self.step
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> bool:
+        """``dist.all_reduce(tensor)`` (sum) on the group, safe across a peer's failure: in
+        place, a collective that fails or hangs on a lost peer returns False instead of
+        raising or hanging, the step does not count and is redone after the re-form (its
+        ``optimizer.step()`` does nothing). True when the result is in ``tensor``."""
+        op = dist.ReduceOp.SUM if op is None else op
+        if not self.distributed or self.world_size == 1:
+            return True
+        if self._member is None:
+            dist.all_reduce(tensor, op=op)
+            return True
+        return self._member.guard.run(lambda: dist.all_reduce(tensor, op=op, async_op=True))
+
+    def log_loss(self, value: float | torch.Tensor, weight: float = 1.0) -> None:
+        """This rank's loss of the step (``weight``: e.g. its number of samples). It rides
+        on the group's own agreement after the step (no collective of its own): the
+        weighted mean over the ranks is :attr:`loss` and the ``train.step`` event's."""
+        self._loss[0] += float(value) * weight
+        self._loss[1] += weight
+
+    def save(self, block: bool = False) -> None:
+        """Persist the current step now (besides every ``checkpoint_every`` steps); with
+        ``block``, return when it is committed. Without a checkpoint URL it does nothing."""
+        if self._checkpoints is not None:
+            self._checkpoints.save(self.step, self._persist_state(), block=block)
+            self._last_saved = self.step
+
+    def wait(self) -> None:
+        """Wait for the checkpoint and snapshot in flight."""
+        self._snapshots.wait()
+        if self._checkpoints is not None:
+            self._checkpoints.wait()
+
+    @property
+    def stopped_by_signal(self) -> bool:
+        """Whether SIGTERM/SIGINT stopped this run (it saved first)."""
+        return self._signalled
 
     # -- state ------------------------------------------------------------------------------
 
@@ -573,19 +626,9 @@ class Run:
         now = time.perf_counter()
         seconds, self._last_step_at = now - self._last_step_at, now
         self._jit.boundary(self.step)
-        if self.rank == 0:
-            fields: dict[str, Any] = {}
-            if self._batch:
-                fields["samples_per_s"] = round(self._batch * self.world_size / seconds, 2)
-            events.emit(
-                "train.step",
-                step=self.step,
-                world_size=self.world_size,
-                epoch=self.epoch,
-                lr=self.optimizer.param_groups[0].get("lr"),
-                **fields,
-            )
         stop = self._agree_stop()
+        if self.rank == 0:
+            self._report(seconds)
         if (
             self._checkpoints is not None
             and self.step % self.checkpoint_every == 0
@@ -602,16 +645,38 @@ class Run:
             logger.info("A peer asked the group to stop at step %d; exiting to re-form.", self.step)
             raise SystemExit(reform.EXIT_CODE)
 
+    def _report(self, seconds: float) -> None:
+        fields: dict[str, Any] = {}
+        samples = self.global_batch_size or self._batch * self.world_size
+        if samples:
+            fields["samples_per_s"] = round(samples / max(seconds, 1e-9), 2)
+        if self.loss is not None:
+            fields["loss"] = round(self.loss, 6)
+        events.emit(
+            "train.step",
+            step=self.step,
+            world_size=self.world_size,
+            epoch=self.epoch,
+            lr=self.optimizer.param_groups[0].get("lr"),
+            **fields,
+        )
+
+    def _agreed(self, summed: torch.Tensor) -> None:
+        """Take the group's loss from the agreement's sums (the last two values)."""
+        total, weight = float(summed[-2]), float(summed[-1])
+        self.loss = total / weight if weight else None
+        self._loss.zero_()
+
     def _agree_stop(self) -> bool:
         """Whether the group stops after this step; also agrees whether that stop needs a
         persisted checkpoint (any rank's vote, see :meth:`_persist_vote`)."""
         if self._member is not None:
             return self._agree_in_place()
-        if self._ctl is None:
-            self._persist_on_stop = self._persist_vote()
-            return self._stop
-        flags = torch.tensor([int(self._stop), int(self._persist_vote())], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._ctl)
+        flags = torch.tensor([int(self._stop), int(self._persist_vote())], dtype=torch.float64)
+        flags = torch.cat([flags, self._loss])
+        if self._ctl is not None:
+            dist.all_reduce(flags, group=self._ctl)
+        self._agreed(flags)
         self._persist_on_stop = bool(flags[1].item())
         return bool(flags[0].item())
 
@@ -624,12 +689,13 @@ class Run:
         assert member is not None
         stop, vote = int(self._stop or member.leaving), member.switch_vote()
         ready, broken = int(vote == READY), int(vote == BROKEN)
-        flags = torch.tensor([stop, -stop, broken, -ready], dtype=torch.int64)
-        if not member.guard.run(
-            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        ):
+        flags = torch.cat([torch.tensor([stop, broken, ready], dtype=torch.float64), self._loss])
+        if not member.guard.run(lambda: dist.all_reduce(flags, async_op=True)):
+            self._loss.zero_()
             raise _Reform  # this step is complete: the re-form keeps it
-        any_stop, all_stop = bool(flags[0].item()), flags[1].item() == -1
+        self._agreed(flags)
+        world = self.world_size
+        any_stop, all_stop = flags[0].item() > 0, flags[0].item() == world
         if broken:  # this rank cannot join the new round: restart it, the others go on
             self._fall_back(RecoveryError("This rank cannot reach the new round's store."))
         self._persist_on_stop = True
@@ -638,7 +704,7 @@ class Run:
         if any_stop and (self._stop or member.leaving):
             self._leave()
         # A peer leaves or cannot join (it restarts), or every rank of a new round is ready.
-        if any_stop or flags[2].item() or flags[3].item() == -1:
+        if any_stop or flags[1].item() > 0 or flags[2].item() == world:
             raise _Reform
         return False
 

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from elastic import env
+from elastic import env, runid
 from elastic.errors import ConfigError
 
 _SECTION_ENV = re.compile(rf"^{env.CONFIG_PREFIX}([A-Z0-9_]+?)__([A-Z0-9_]+)$")
@@ -200,31 +200,15 @@ class Config(_Section):
 
 
 DEFAULT_RUN_ID = "default"
-_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
 def checkpoint_run_id(cfg: Config, environ: Mapping[str, str] | None = None) -> str:
-    """The run id that names this job's checkpoint directory.
-
-    ``job.run_id`` when it is set to anything but ``default``; else, under an
-    agent, the rendezvous id (``$TORCHELASTIC_RUN_ID``), so that two jobs never
-    share a checkpoint directory by accident. ``torchrun --standalone`` makes up a
-    random rendezvous id per launch, which would never resume: there the
-    configured id stays.
-    """
-    environ = os.environ if environ is None else environ
+    """The run id that names this job's checkpoint directory (the rule is
+    :func:`elastic.runid.resolve`): ``job.run_id`` when it is set to anything but
+    ``default``; else the rendezvous id under an agent; else ``job.run_id``."""
     chosen = cfg.job.run_id
-    if "run_id" in cfg.job.model_fields_set and chosen != DEFAULT_RUN_ID:
-        return chosen
-    rdzv = environ.get(env.RUN_ID, "")
-    if not rdzv or _UUID.match(rdzv.lower()):
-        return chosen
-    if rdzv in (".", "..") or not re.match(r"^[A-Za-z0-9_.\-]+$", rdzv):
-        raise ConfigError(
-            f"The rendezvous id {rdzv!r} cannot name a checkpoint directory; set job.run_id "
-            "to a name of letters, digits, '.', '_' and '-'."
-        )
-    return rdzv
+    explicit = "run_id" in cfg.job.model_fields_set and chosen != DEFAULT_RUN_ID
+    return runid.resolve(chosen if explicit else None, environ, default=chosen)
 
 
 def validate_url(url: str) -> str:

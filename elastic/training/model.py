@@ -18,6 +18,7 @@ the micro-batch statistics. ``num_batches_tracked`` grows by one per step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -126,13 +127,18 @@ class BatchNormStats:
             dv.add_(running_var - var)
 
     @torch.no_grad()
-    def end_step(self, micro_batches: int, group: dist.ProcessGroup | None = None) -> None:
-        """Apply the mean update over all ``micro_batches`` of the step, on every rank."""
+    def end_step(
+        self, micro_batches: int, all_reduce: Callable[[torch.Tensor], bool] | None = None
+    ) -> None:
+        """Apply the mean update over all ``micro_batches`` of the step, on every rank
+        (``all_reduce`` sums over the group; default: the default group's)."""
         if not self.layers:
             return
         flat = torch.cat([t.flatten() for pair in self._delta for t in pair])
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flat, group=group)
+        if all_reduce is not None:
+            all_reduce(flat)
+        elif dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flat)
         flat /= micro_batches
         offset = 0
         for m, (mean, var) in zip(self.layers, self._start, strict=True):

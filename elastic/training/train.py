@@ -41,16 +41,23 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optim
     )
 
 
-def lr_lambda(cfg: OptimizerConfig, total_steps: int, world_size: int) -> Callable[[int], float]:
-    """Return step -> LR multiplier: scaling rule x linear warmup x cosine/step/constant decay."""
-    scale = {
-        "none": 1.0,
-        "linear": world_size / cfg.reference_world_size,
-        "sqrt": math.sqrt(world_size / cfg.reference_world_size),
-    }[cfg.lr_scaling]
+def lr_lambda(
+    cfg: OptimizerConfig, total_steps: int, world_size: int | Callable[[], int]
+) -> Callable[[int], float]:
+    """Return step -> LR multiplier: scaling rule x linear warmup x cosine/step/constant decay.
+
+    ``world_size`` may be a callable: the scaling then follows a group that re-forms in place.
+    """
+    size = world_size if callable(world_size) else (lambda: world_size)
+
+    def scaled() -> float:
+        ratio = size() / cfg.reference_world_size
+        return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
+
     floor = cfg.min_lr / cfg.lr
 
     def factor(step: int) -> float:
+        scale = scaled()
         if step < cfg.warmup_steps:
             return scale * (step + 1) / cfg.warmup_steps
         if cfg.schedule == "cosine":
@@ -65,7 +72,10 @@ def lr_lambda(cfg: OptimizerConfig, total_steps: int, world_size: int) -> Callab
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int, world_size: int
+    optimizer: torch.optim.Optimizer,
+    cfg: OptimizerConfig,
+    total_steps: int,
+    world_size: int | Callable[[], int],
 ) -> LambdaLR:
     """Build the LR schedule (``LambdaLR``; its state holds the step count)."""
     return LambdaLR(optimizer, lr_lambda(cfg, total_steps, world_size))
@@ -73,16 +83,26 @@ def build_scheduler(
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step did, identical on every rank."""
+    """What one step did on this rank: its loss sum, its samples, the sampler's next cursor."""
 
-    loss: float
+    loss: float  # the mean over this rank's samples
+    samples: int
     cursor: Cursor
-    stop: bool
-    persist: bool = True  # a stop that needs a persisted checkpoint (False: only re-forms)
+
+
+def _plain_all_reduce(tensor: torch.Tensor) -> bool:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return True
 
 
 class Trainer:
-    """Runs global-batch steps over ``sampler`` with gradient accumulation."""
+    """Runs global-batch steps over ``sampler`` with gradient accumulation.
+
+    ``rank``/``world_size`` are this rank's place for the next step (they change when the
+    group re-forms in place); ``all_reduce`` sums a tensor over the group (our worker gives
+    :meth:`elastic.Run.all_reduce`, which a lost peer cannot hang).
+    """
 
     def __init__(
         self,
@@ -91,9 +111,9 @@ class Trainer:
         scheduler: LambdaLR,
         dataset: Dataset[tuple[torch.Tensor, int]],
         sampler: ElasticSampler,
-        rank: int,
-        world_size: int,
         device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -104,13 +124,10 @@ class Trainer:
         self.world_size = world_size
         self.device = device
         self.bn = BatchNormStats(model)
+        self.all_reduce: Callable[[torch.Tensor], bool] = _plain_all_reduce
 
-    def step(
-        self, cursor: Cursor, stop_requested: bool = False, persist: bool = True
-    ) -> StepResult:
-        """Run one optimizer step on the global batch at ``cursor``. ``persist`` is this
-        rank's vote that a stop needs a persisted checkpoint (False: a re-form whose memory
-        snapshots survive); the group persists if any rank votes for it."""
+    def step(self, cursor: Cursor) -> StepResult:
+        """Run one optimizer step on the global batch at ``cursor``."""
         indices, after = self.sampler.global_batch(cursor)
         mine = self.sampler.for_rank(indices, self.rank, self.world_size)
         self.model.train()
@@ -119,13 +136,11 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, micro in enumerate(mine):
             loss_sum += self._micro_step(micro, last=i == len(mine) - 1)
-        self.bn.end_step(self.sampler.micro_batches_per_step)
-        # Agree before stepping: a peer that dies here leaves this rank at the last reported
-        # step (its failure-time snapshot redoes this one), never at a step nobody reported.
-        result = self._agree(loss_sum, after, stop_requested, persist)
+        self.bn.end_step(self.sampler.micro_batches_per_step, self.all_reduce)
         self.optimizer.step()
         self.scheduler.step()
-        return result
+        samples = sum(len(m) for m in mine)
+        return StepResult(loss=float(loss_sum) / max(samples, 1), samples=samples, cursor=after)
 
     def _micro_step(self, micro: torch.Tensor, last: bool) -> torch.Tensor:
         images, labels = collate(self.dataset, micro)
@@ -138,21 +153,6 @@ class Trainer:
             (loss * self.world_size / self.sampler.micro_batches_per_step).backward()
         self.bn.after_micro_batch()
         return loss.detach().double().cpu() * len(micro)
-
-    def _agree(
-        self, loss_sum: torch.Tensor, cursor: Cursor, stop: bool, persist: bool
-    ) -> StepResult:
-        """All-reduce the loss and the stop flags so every rank sees the same values."""
-        flags = torch.tensor([float(stop), float(persist)], dtype=torch.float64)
-        packed = torch.cat([loss_sum.reshape(1), flags])
-        if dist.is_initialized() and self.world_size > 1:
-            packed = packed.to(self.device)
-            dist.all_reduce(packed)
-            packed = packed.cpu()
-        loss = float(packed[0]) / self.sampler.global_batch_size
-        return StepResult(
-            loss=loss, cursor=cursor, stop=bool(packed[1] > 0), persist=bool(packed[2] > 0)
-        )
 
 
 __all__ = ["StepResult", "Trainer", "build_optimizer", "build_scheduler", "lr_lambda"]

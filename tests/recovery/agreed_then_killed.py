@@ -1,5 +1,6 @@
 """The CNN worker, except that rank 0 dies (SIGKILL) once, right after its group agreed
-on step K: ``python -m tests.recovery.agreed_then_killed K MARKER <worker args>``.
+(``Run._agree_stop``: after the step, before rank 0 reports it) on step K:
+``python -m tests.recovery.agreed_then_killed K MARKER <worker args>``.
 
 The survivors complete step K (the agreement was their last collective of it) while
 rank 0 never reports it. ``MARKER`` is created once, by the rank that dies, so that the
@@ -13,28 +14,24 @@ import os
 import signal
 import sys
 import time
-from typing import Any
 
-from elastic.training import train
+from elastic.recovery.session import Run
 from elastic.training.worker import main
 
 SETTLE_S = 0.5
 
 
 def _arm(step: int, marker: str) -> None:
-    agree = train.Trainer._agree
-    calls = 0
+    agree = Run._agree_stop
 
-    def agree_then_die(self: train.Trainer, *args: Any, **kwargs: Any) -> train.StepResult:
-        nonlocal calls
-        result = agree(self, *args, **kwargs)
-        calls += 1
-        if self.rank == 0 and calls == step and _first(marker):
+    def agree_then_die(self: Run) -> bool:
+        stop = agree(self)
+        if self.rank == 0 and self.step == step and _first(marker):
             time.sleep(SETTLE_S)
             os.kill(os.getpid(), signal.SIGKILL)
-        return result
+        return stop
 
-    train.Trainer._agree = agree_then_die  # type: ignore[method-assign]
+    Run._agree_stop = agree_then_die  # type: ignore[method-assign]
 
 
 def _first(marker: str) -> bool:
