@@ -10,7 +10,10 @@ nobody holds a state at least as new as the newest persisted checkpoint.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic import secret as job_secret
 from elastic.errors import RecoveryError
 from elastic.recovery.codec import decode
 from elastic.recovery.snapshot import SnapshotStore
@@ -25,6 +29,8 @@ from elastic.recovery.snapshot import SnapshotStore
 logger = logging.getLogger(__name__)
 
 CHUNK = 16 << 20
+MAX_META = 64 << 20  # bytes of a snapshot's JSON metadata a receiver accepts
+TAG = 32  # bytes of the keyed digest that authenticates a streamed state
 
 Held = tuple[int, int]  # (step, round) of a complete snapshot
 
@@ -69,14 +75,31 @@ def decide(offers: list[Held | None], persisted: int) -> Plan:
 
 
 def agree(held: Held | None, persisted: int, group: dist.ProcessGroup | None = None) -> Plan:
-    """All-gather the offers over ``group`` and :func:`decide` (a world of one: locally)."""
+    """All-gather the offers over ``group`` and :func:`decide` (a world of one: locally).
+
+    Each offer is four integers (nothing a peer sends is unpickled), and each is checked:
+    a negative step or round, or a persisted step a rank claims that is not -1 or above,
+    is refused in one sentence.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         return decide([held], persisted)
-    offers: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(offers, (held, persisted), group=group)
-    newest_persisted = max(int(o[1]) for o in offers)
-    held_by = [tuple(o[0]) if o[0] is not None else None for o in offers]
-    return decide(held_by, newest_persisted)
+    mine = torch.tensor([int(held is not None), *(held or (0, 0)), persisted], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    offers = [_offer(rank, t) for rank, t in enumerate(everyone)]
+    newest_persisted = max(p for _, p in offers)
+    return decide([h for h, _ in offers], newest_persisted)
+
+
+def _offer(rank: int, t: torch.Tensor) -> tuple[Held | None, int]:
+    has, step, round_, persisted = (int(v) for v in t.tolist())
+    if has not in (0, 1) or step < 0 or round_ < 0 or persisted < -1:
+        raise RecoveryError(
+            f"Rank {rank} offered an impossible state (held={has}, step={step}, "
+            f"round={round_}, persisted={persisted}); it runs other code than this rank: "
+            "check that every node runs the same version."
+        )
+    return ((step, round_) if has else None), persisted
 
 
 def stream(
@@ -96,12 +119,19 @@ def stream(
     rank = dist.get_rank(group)
     src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
     started = time.perf_counter()
+    key = _key()
     sizes = torch.zeros(2, dtype=torch.int64)
+    tag = torch.zeros(TAG, dtype=torch.uint8)
     if rank == src_rank:
         assert meta is not None and data is not None
         sizes[0], sizes[1] = len(meta), data.numel()
+        if key is not None:
+            tag = torch.frombuffer(bytearray(_digest(key, meta, data)), dtype=torch.uint8)
     dist.broadcast(sizes, src=src, group=group)
+    dist.broadcast(tag, src=src, group=group)
     meta_len, data_len = int(sizes[0]), int(sizes[1])
+    if rank != src_rank:
+        _check_sizes(src_rank, meta_len, data_len)
     meta_t = (
         torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         if rank == src_rank and meta
@@ -130,6 +160,12 @@ def stream(
         return None
     if not receive:
         return None
+    got = meta_t.numpy().tobytes()
+    if key is not None and not hmac.compare_digest(_digest(key, got, out), tag.numpy().tobytes()):
+        raise RecoveryError(
+            f"The state rank {src_rank} sent is not signed with this job's secret (or was "
+            "altered on the way); it is not used. Give every node the same secret file."
+        )
     logger.info(
         "Received a %.1f MB snapshot from rank %d in %.3f s (%.0f MB/s).",
         data_len / 1e6,
@@ -137,7 +173,35 @@ def stream(
         seconds,
         data_len / 1e6 / max(seconds, 1e-9),
     )
-    return meta_t.numpy().tobytes(), out
+    return got, out
+
+
+def _key() -> bytes | None:
+    """The key that authenticates streamed state: derived from the job secret (None: no
+    secret, nothing to authenticate with; then only the sizes are checked)."""
+    secret = job_secret.job_secret()
+    if secret is None:
+        return None
+    return hashlib.sha256(b"elastic peer state v1\0" + secret).digest()
+
+
+def _digest(key: bytes, meta: bytes, data: torch.Tensor) -> bytes:
+    h = hashlib.blake2b(key=key, digest_size=TAG)
+    h.update(len(meta).to_bytes(8, "little"))
+    h.update(meta)
+    h.update(data.numpy().data)
+    return h.digest()
+
+
+def _check_sizes(src_rank: int, meta_len: int, data_len: int) -> None:
+    """A peer's claim of how much it sends, bounded before anything is allocated."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not (0 < meta_len <= MAX_META) or not (0 <= data_len <= ram):
+        raise RecoveryError(
+            f"Rank {src_rank} announced a state of {meta_len} + {data_len} bytes, beyond "
+            f"what this node accepts ({MAX_META} bytes of metadata, {ram} of data); it is "
+            "not received."
+        )
 
 
 def fetch(

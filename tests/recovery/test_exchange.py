@@ -95,3 +95,41 @@ def test_three_ranks_memory_peer_then_storage(tmp_path: Path) -> None:
     loads = events.read(tmp_path / "events.jsonl", "ckpt.load")
     # the storage was read exactly once per rank: in phase 3
     assert len([e for e in loads if "source" not in e]) == world
+
+
+def _pair(tmp_path: Path, case: str, secrets: tuple[bytes | None, bytes | None]) -> str:
+    """Run sender (rank 0) and receiver (rank 1) of stream_peer.py; the receiver's output."""
+    script = str(Path(__file__).with_name("stream_peer.py"))
+    procs = []
+    for rank, secret in enumerate(secrets):
+        environ = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        environ.pop("ELASTIC_SECRET_FILE", None)
+        # A local run without a secret file makes one per host: the same for both ranks.
+        environ["XDG_CONFIG_HOME"] = str(tmp_path / "home")
+        if secret is not None:
+            path = tmp_path / f"secret{rank}"
+            path.write_bytes(secret)
+            path.chmod(0o600)
+            environ["ELASTIC_SECRET_FILE"] = str(path)
+        cmd = [sys.executable, script, str(rank), str(tmp_path / f"store-{case}"), case]
+        procs.append(subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, text=True))
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert procs[1].returncode == 0, out
+    return out[1].strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("case", "secrets", "expected"),
+    [
+        ("state", (b"s" * 32, b"s" * 32), "OK"),  # same secret: authenticated
+        ("state", (None, None), "OK"),  # a local run: the host's own secret
+        ("state", (b"x" * 32, b"s" * 32), "REFUSED: The state rank 0 sent is not signed"),
+        ("state", (None, b"s" * 32), "REFUSED: The state rank 0 sent is not signed"),
+        ("huge", (None, None), "REFUSED: Rank 0 announced a state of"),
+        ("offer", (None, None), "REFUSED: Rank 0 offered an impossible state"),
+    ],
+)
+def test_a_peer_cannot_push_forged_or_oversized_state(
+    tmp_path: Path, case: str, secrets: tuple[bytes | None, bytes | None], expected: str
+) -> None:
+    assert _pair(tmp_path, case, secrets).startswith(expected)
