@@ -10,6 +10,14 @@ this package's options, stays light):
 * :func:`kept_samples`, :func:`sample_problems`, :func:`model_differences`,
   :data:`MODEL_RTOL` and :data:`LR`: the checks, shared with the tests' own jobs;
 * :class:`EventTail`: the event log by kind, read incrementally.
+
+Its modules: :mod:`~elastic.chaos.plan` (the kinds, a run's options, the seeded schedule),
+:mod:`~elastic.chaos.fault` (one fault's record), :mod:`~elastic.chaos.job` (the local job
+under test), :mod:`~elastic.chaos.observers` (the event log, storage and etcd, each fault's
+recovery), :mod:`~elastic.chaos.injectors` (the faults), :mod:`~elastic.chaos.stale` (the
+stale writer's process), :mod:`~elastic.chaos.reference` (the fault-free run),
+:mod:`~elastic.chaos.invariants` (the checks), :mod:`~elastic.chaos.report` (the result),
+:mod:`~elastic.chaos.run` (one run) and :mod:`~elastic.chaos.command` (``elastic chaos``).
 """
 
 from __future__ import annotations
@@ -17,19 +25,30 @@ from __future__ import annotations
 from typing import Any
 
 _LAZY = {
-    "KINDS": "elastic.chaos.run",
-    "LR": "elastic.chaos.run",
-    "MODEL_RTOL": "elastic.chaos.run",
-    "ChaosOptions": "elastic.chaos.run",
-    "EventTail": "elastic.chaos.run",
-    "kept_samples": "elastic.chaos.run",
-    "model_differences": "elastic.chaos.run",
+    "KINDS": "elastic.chaos.plan",
+    "LR": "elastic.chaos.job",
+    "MODEL_RTOL": "elastic.chaos.invariants",
+    "ChaosOptions": "elastic.chaos.plan",
+    "EventTail": "elastic.chaos.observers",
+    "kept_samples": "elastic.chaos.invariants",
+    "model_differences": "elastic.chaos.invariants",
     "run_chaos": "elastic.chaos.run",
-    "sample_problems": "elastic.chaos.run",
-    "table": "elastic.chaos.run",
+    "sample_problems": "elastic.chaos.invariants",
+    "table": "elastic.chaos.report",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "KINDS",
+    "LR",
+    "MODEL_RTOL",
+    "ChaosOptions",
+    "EventTail",
+    "kept_samples",
+    "model_differences",
+    "run_chaos",
+    "sample_problems",
+    "table",
+]
 
 
 def __getattr__(name: str) -> Any:

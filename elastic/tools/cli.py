@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic import reform
+from elastic.chaos import command as chaos_command
 from elastic.errors import ConfigError, ElasticError, EtcdConnectionError
 
 if TYPE_CHECKING:
@@ -114,16 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--host", default="127.0.0.1", help="address to serve on")
     dash.add_argument("--port", type=int, default=8080, help="0: any free port")
 
-    chaos = sub.add_parser(
-        "chaos", help="a seeded fault schedule against a local job, then checks", allow_abbrev=False
-    )
-    chaos.add_argument("--minutes", type=float, default=10.0, help="how long faults are injected")
-    chaos.add_argument("--seed", type=int, default=0)
-    chaos.add_argument("--runs-dir", type=Path, default=Path("runs"))
-    chaos.add_argument("--every", type=float, default=120.0, help="mean seconds between faults")
-    chaos.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
-    chaos.add_argument("--agents", type=int, default=3, help="agents at the start (2-4)")
-    chaos.add_argument("--json-only", action="store_true", help="print only the JSON report")
+    chaos = sub.add_parser("chaos", help=chaos_command.HELP, allow_abbrev=False)
+    chaos_command.add_arguments(chaos)
     return parser
 
 
@@ -254,9 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "dashboard":
             return _dashboard(args)
         if args.command == "chaos":
-            from elastic.chaos.run import command
-
-            return command(args)
+            return chaos_command.command(args)
         return _status(args)
     except ConfigError as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)

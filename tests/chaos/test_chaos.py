@@ -7,15 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.chaos.run import (
-    KINDS,
-    ChaosOptions,
-    kept_samples,
-    plan,
-    run_chaos,
-    sample_problems,
-    table,
-)
+from elastic.chaos import KINDS, ChaosOptions, kept_samples, run_chaos, sample_problems, table
+from elastic.chaos.plan import draw_faults
 
 # The CI schedule: aimed kills (in a save, between fence and marker, in a purge), storage and
 # etcd trouble and a stale writer, one of each; about 3 minutes of wall time on two cores.
@@ -35,8 +28,8 @@ CI_KINDS = (
 def test_plan_is_seeded_and_keeps_the_agents_between_bounds() -> None:
     import random
 
-    a = plan(random.Random(7), list(KINDS), 30, 3, 2, 4)
-    assert a == plan(random.Random(7), list(KINDS), 30, 3, 2, 4)
+    a = draw_faults(random.Random(7), list(KINDS), 30, 3, 2, 4)
+    assert a == draw_faults(random.Random(7), list(KINDS), 30, 3, 2, 4)
     agents = 3
     for kind in a:
         agents += 1 if kind == "join" else -1 if kind in ("kill_agent", "leave") else 0

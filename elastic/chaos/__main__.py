@@ -1,0 +1,5 @@
+"""``python -m elastic.chaos``: the ``elastic chaos`` command."""
+
+from elastic.chaos.command import main
+
+raise SystemExit(main())

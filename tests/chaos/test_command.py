@@ -1,0 +1,33 @@
+"""``elastic chaos``'s options reach the run unchanged, and chaos never imports the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from elastic.chaos.command import options
+from elastic.tools.cli import _parser
+
+
+def test_the_cli_options_become_the_runs_options(tmp_path: Path) -> None:
+    argv = ["chaos", "--minutes", "2", "--seed", "5", "--runs-dir", str(tmp_path)]
+    args = _parser().parse_args([*argv, "--every", "8", "--kinds", "join,leave,", "--json-only"])
+    opts = options(args)
+    assert (opts.minutes, opts.seed, opts.runs_dir, opts.every_s) == (2.0, 5, tmp_path, 8.0)
+    assert opts.kinds == ["join", "leave"]
+    assert opts.agents == 3
+    assert options(_parser().parse_args(["chaos"])).kinds is None
+
+
+def test_chaos_imports_neither_the_cli_nor_the_other_commands() -> None:
+    modules = "command fault injectors invariants job observers plan reference report run stale"
+    code = (
+        "import sys\n"
+        f"for m in {modules.split()!r}: __import__('elastic.chaos.' + m)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('elastic.tools')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout
