@@ -65,7 +65,7 @@ from elastic.rendezvous.contract import ChangeKind, MembershipChange, Membership
 
 logger = logging.getLogger(__name__)
 
-WAITING_TICK_S = 0.02  # the agent's check interval while a worker waits for a new round
+WAITING_TICK_S = 0.02  # how often the agent looks at its in-place workers' registrations
 LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit before SIGKILL
 _PEER_GONE = (ChangeKind.PEERS_LOST, ChangeKind.DROPPED)
 
@@ -256,16 +256,25 @@ class NodeAgent(LocalElasticAgent):
             spec.monitor_interval, self._tick_s = self._tick_s, None
 
     def _wait_for_worker_exit(self, timeout: float) -> None:
-        """Sleep up to ``timeout`` seconds, waking as soon as a worker process ends (and
-        every :data:`WAITING_TICK_S` while a worker waits for a new round)."""
-        if getattr(self, "_worker_group", None) and any(r.waiting for r in self._registrations()):
-            timeout = min(timeout, WAITING_TICK_S)
+        """Sleep up to ``timeout`` seconds, waking as soon as a worker process ends or (in
+        place) a worker starts to wait for a new round: its step failed on a lost peer,
+        and every tick of this wait would be added to its recovery."""
+        in_place = bool(getattr(self, "_worker_group", None)) and self._offers_in_place()
+        deadline = time.monotonic() + timeout
         with contextlib.ExitStack() as stack:
             handles = _exit_handles(getattr(self, "_pcontext", None), stack)
-            if handles:
-                wait(handles, timeout)
-            else:
-                time.sleep(timeout)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                step = min(left, WAITING_TICK_S) if in_place else left
+                if handles:
+                    if wait(handles, step):
+                        return
+                else:
+                    time.sleep(step)
+                if in_place and any(r.waiting for r in self._registrations()):
+                    return
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._tick_s is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import time
@@ -54,6 +55,8 @@ class Member:
         under an agent that offers in-place re-forms; else None (the restart path)."""
         if not (_alone and offered()):
             return None
+        if not faulthandler.is_enabled():  # a crash of a long-lived worker leaves its stacks
+            faulthandler.enable(all_threads=True)
         return cls(os.environ[env.CHANNEL])
 
     @property
