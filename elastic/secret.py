@@ -98,7 +98,11 @@ def _read(path: Path) -> bytes:
             "least 32 random bytes into it (the same file on every node)."
         )
     with contextlib.suppress(OSError):
-        if path.stat().st_mode & 0o077:
+        info = path.stat()
+        # Group-readable is fine when the group is this process's own (Kubernetes mounts a
+        # Secret 0440 with the pod's fsGroup); anything else can be read by others.
+        own_group = info.st_gid in (os.getgid(), *os.getgroups())
+        if info.st_mode & 0o007 or (info.st_mode & 0o070 and not own_group):
             logger.warning(
                 "The checkpoint secret %s is readable by other users; run 'chmod 600 %s'.",
                 path,
