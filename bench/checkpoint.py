@@ -13,14 +13,17 @@ so that a change in the machine's load hits them all alike:
   until the commit marker is durable), ``wait_ms`` (until the save is done, old
   steps purged), ``persist_mb_s`` (state bytes / (durable - blocking));
 * ``baseline`` (with ``--baseline REV``): the same for the ``elastic`` package of git
-  revision ``REV``, in a second worker process whose saves alternate with ours.
+  revision ``REV``, in a second worker process whose saves alternate with ours;
+* ``--signed``: both managers sign their markers with a (fixed) job secret, so files are
+  vouched for by the signed runs' digest (a SHA-256 tree since marker version 3, CRC-32
+  before); without it they are unsigned (CRC-32).
 
 Ratios: ``durable_vs_torch_save``, ``blocking_vs_copy``, ``persist_vs_fsync``. Each
 figure is the median over the rounds; the JSON records the git commit, the load
 average and the ``elastic`` package each worker imported.
 
 Usage: ``python bench/checkpoint.py [--models resnet18 resnet50] [--repeats 5]
-[--baseline REV] [--dir /tmp/x] [--json-out PATH]``
+[--baseline REV] [--signed] [--dir /tmp/x] [--json-out PATH]``
 """
 
 from __future__ import annotations
@@ -111,13 +114,16 @@ def _flat(state: dict[str, Any]) -> list[torch.Tensor]:
 class _Worker:
     """A process that saves through one ``elastic`` package's manager, one save a line."""
 
-    def __init__(self, name: str, model: str, root: Path, pythonpath: str | None) -> None:
+    def __init__(
+        self, name: str, model: str, root: Path, pythonpath: str | None, signed: bool
+    ) -> None:
         env = dict(os.environ)
         if pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
         url = root / f"{name}-{uuid.uuid4().hex}"
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", model, "--dir", str(url)],
+            [sys.executable, __file__, "--worker", model, "--dir", str(url)]
+            + (["--signed"] if signed else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -144,7 +150,10 @@ class _Worker:
         self.proc.wait(timeout=120)
 
 
-def _worker_main(model: str, url: Path, out: IO[str]) -> None:
+_BENCH_SECRET = b"bench-secret-only-for-bench-checkpoints"
+
+
+def _worker_main(model: str, url: Path, out: IO[str], signed: bool) -> None:
     """Serve ``save`` lines: one async save of ``model``'s state each, timings as JSON."""
     import elastic
     from elastic.checkpoint import CheckpointManager
@@ -153,7 +162,7 @@ def _worker_main(model: str, url: Path, out: IO[str]) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     state = _state(model)
     cfg = CheckpointConfig(url=str(url), keep_last=1, verify="size")
-    manager = CheckpointManager(cfg, run_id="bench", secret=None)
+    manager = CheckpointManager(cfg, run_id="bench", secret=_BENCH_SECRET if signed else None)
     manager.save(0, state, block=True)  # the first save allocates the staging buffers
     from elastic.checkpoint import storage
 
@@ -198,7 +207,7 @@ def _summary(saves: list[dict[str, Any]], nbytes: int, package: dict[str, Any]) 
 
 
 def bench_model(
-    name: str, root: Path, repeats: int, baseline: str | None, dcp_paths: bool
+    name: str, root: Path, repeats: int, baseline: str | None, dcp_paths: bool, signed: bool
 ) -> dict[str, Any]:
     """Measure every save path for one model's state, interleaved in rounds."""
     state = _state(name)
@@ -237,9 +246,9 @@ def bench_model(
         getattr(response, "upload_completion", response).result()
         return ms
 
-    workers = {"ours": _Worker("ours", name, root, str(_repo()))}
+    workers = {"ours": _Worker("ours", name, root, str(_repo()), signed)}
     if baseline is not None:
-        workers["baseline"] = _Worker("baseline", name, root, baseline)
+        workers["baseline"] = _Worker("baseline", name, root, baseline, signed)
     times: dict[str, list[float]] = {
         "fsync_mb_s": [],
         "copy_prealloc_ms": [],
@@ -306,19 +315,20 @@ def main() -> None:
     parser.add_argument("--baseline", help="git revision whose elastic package to compare")
     parser.add_argument("--no-dcp", action="store_true", help="skip torch's own DCP paths")
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
+    parser.add_argument("--signed", action="store_true", help="sign the markers (a job secret)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     if args.worker:
-        _worker_main(args.worker, args.dir, sys.stdout)
+        _worker_main(args.worker, args.dir, sys.stdout, args.signed)
         return
     load_before = os.getloadavg()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         baseline = _export(args.baseline, Path(tmp)) if args.baseline else None
         results = [
-            bench_model(name, Path(tmp), args.repeats, baseline, not args.no_dcp)
+            bench_model(name, Path(tmp), args.repeats, baseline, not args.no_dcp, args.signed)
             for name in args.models
         ]
     dist.destroy_process_group()
@@ -333,6 +343,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "repeats": args.repeats,
+        "signed": args.signed,
         "results": results,
     }
     text = json.dumps(report, indent=2)

@@ -25,6 +25,13 @@ A failed save never stops training by itself: the previous complete step stays
 the newest, the error is logged, and the next interval tries again. After
 ``max_failures`` consecutive failures :meth:`CheckpointManager.wait` raises
 :class:`~elastic.errors.CheckpointError` on every rank at the same step.
+
+A save whose fence etcd does not answer within :data:`FENCE_TIMEOUT_S` (an etcd
+outage) is *skipped*, not failed: nothing is committed, the failure count stays,
+training goes on. The unanswered call keeps its own thread, and until it returns
+every later fence call is skipped at once, so an outage costs a save at most
+:data:`FENCE_TIMEOUT_S` of its background thread, once; a refusal (this group's
+round is stale) is still a failure.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from elastic.checkpoint.storage import (
     make_reader,
     probe_writable,
 )
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointError, EtcdConnectionError
 from elastic.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -78,6 +85,8 @@ logger = logging.getLogger(__name__)
 CommitFence = Callable[[int], None]
 _AUTO: Any = object()
 _WRITER_NICENESS = 10
+FENCE_TIMEOUT_S = 3.0  # how long a save waits for etcd to answer one fence call
+_SKIPPED = "skipped: "  # an outcome error with this prefix is a skipped save, not a failure
 
 
 @dataclass
@@ -90,6 +99,11 @@ class SaveOutcome:
     blocking_s: float = 0.0
     durable_s: float = 0.0
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the save was skipped (its fence could not be reached), not failed."""
+        return not self.ok and self.error.startswith(_SKIPPED)
 
 
 class CheckpointManager:
@@ -120,6 +134,7 @@ class CheckpointManager:
         self.stager = Stager()
         self._pending: Future[SaveOutcome] | None = None
         self._plan_key = secrets.token_hex(8)  # this manager's (so this group's) DCP plan cache
+        self._gate = _FenceGate(FENCE_TIMEOUT_S)
 
     def check_storage(self) -> None:
         """Write and delete a probe file under the run's directory, on every rank.
@@ -314,6 +329,8 @@ class CheckpointManager:
             try:
                 self._fence().check()
                 chosen = [new_attempt()]
+            except _Unfenced as exc:  # etcd does not answer: skip this save
+                chosen = [f"{_SKIPPED}{exc}"]
             except Exception as exc:  # a refused fence: write nothing at all
                 chosen = [f"commit refused: {type(exc).__name__}: {exc}"]
         if self.distributed:
@@ -321,7 +338,7 @@ class CheckpointManager:
         return str(chosen[0])
 
     def _fence(self) -> _Fence:
-        return _Fence(self.commit_fence)
+        return _Fence(self.commit_fence, self._gate)
 
     def _gather(self, local: Any) -> list[Any]:
         if not self.distributed:
@@ -370,6 +387,8 @@ class CheckpointManager:
             }
             fence.commit(step, record)
             write_marker(url, marker)
+        except _Unfenced as exc:  # etcd does not answer: no commit, and no failure
+            return False, f"{_SKIPPED}{exc}", {}
         except Exception as exc:  # a refused fence or a storage error: no commit
             return False, f"commit refused: {type(exc).__name__}: {exc}", {}
         return True, "", files
@@ -412,6 +431,16 @@ class CheckpointManager:
             )
             events.emit("ckpt.save", **fields)
             return
+        if outcome.skipped:
+            logger.warning(
+                "Checkpoint %s skipped (%s); training goes on, the newest complete checkpoint "
+                "is still step %s.",
+                url,
+                outcome.error.removeprefix(_SKIPPED),
+                self.last_good,
+            )
+            events.emit("ckpt.save", error=outcome.error, last_good=self.last_good, **fields)
+            return
         self.failures += 1
         logger.error(
             "Checkpoint %s failed (%d of %d allowed in a row): %s. The newest complete "
@@ -432,11 +461,50 @@ class CheckpointManager:
             )
 
 
-class _Fence:
-    """A uniform view of the optional commit fence (a plain callable or a RoundFence)."""
+class _Unfenced(CheckpointError):
+    """etcd did not answer a fence call in time: the save is skipped, not failed."""
 
-    def __init__(self, fence: Any) -> None:
+
+class _FenceGate:
+    """Bounds every fence call of one manager to ``timeout_s``; while an unanswered call
+    is still running (in its own thread), later calls are refused at once."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._stuck: threading.Thread | None = None
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; raises :class:`_Unfenced` when etcd does not answer."""
+        if self._stuck is not None and self._stuck.is_alive():
+            raise _Unfenced("etcd has not answered an earlier commit-fence call yet")
+        result: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller below
+                result.set_exception(exc)
+
+        thread = threading.Thread(target=run, name="elastic-ckpt-fence", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self._stuck = thread
+            raise _Unfenced(f"etcd did not answer the commit fence within {self.timeout_s:g} s")
+        try:
+            return result.result()
+        except EtcdConnectionError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise _Unfenced(f"etcd is unreachable ({first})") from exc
+
+
+class _Fence:
+    """A uniform view of the optional commit fence (a plain callable or a RoundFence),
+    every call bounded by the manager's :class:`_FenceGate`."""
+
+    def __init__(self, fence: Any, gate: _FenceGate) -> None:
         self._fence = fence
+        self._gate = gate
         self.round: int | None = getattr(fence, "round", None)
         self.job: str | None = getattr(fence, "job", None)
 
@@ -446,15 +514,15 @@ class _Fence:
             return
         commit = getattr(self._fence, "commit", None)
         if commit is not None:
-            commit(step, record)
+            self._gate.call(commit, step, record)
         else:
-            self._fence(step)
+            self._gate.call(self._fence, step)
 
     def check(self) -> None:
         """Raise if this writer may no longer touch the run's checkpoints."""
         check = getattr(self._fence, "check", None)
         if check is not None:
-            check()
+            self._gate.call(check)
 
     def records(self) -> dict[int, dict[str, Any]]:
         """The commit records (step -> record), or ``{}`` when there are none to consult."""
@@ -462,7 +530,7 @@ class _Fence:
         if records is None:
             return {}
         try:
-            return dict(records())
+            return dict(self._gate.call(records))
         except Exception as exc:  # etcd unreachable: the markers alone still decide
             logger.warning(
                 "Cannot read the checkpoint commit records (%s); choosing by markers alone.", exc
@@ -473,7 +541,7 @@ class _Fence:
         """Drop the commit records of purged steps."""
         forget = getattr(self._fence, "forget", None)
         if forget is not None and steps:
-            forget(steps)
+            self._gate.call(forget, steps)
 
 
 class _Candidates:

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -22,7 +26,12 @@ from elastic.checkpoint import (
     list_steps,
     step_url,
 )
+from elastic.checkpoint.manager import FENCE_TIMEOUT_S
 from elastic.errors import CheckpointError
+from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
+from elastic.etcd.server import EtcdServer
+from elastic.rendezvous.fence import FenceSpec, RoundFence, publish_round
+from elastic.rendezvous.keys import RunKeys
 from elastic.training.config import CheckpointConfig
 
 from .flaky_fs import FAIL_ENV, register
@@ -175,3 +184,37 @@ def test_unreachable_storage_on_resume_is_a_checkpoint_error(tmp_path: Path) -> 
     manager = _manager(str(blocker / "ckpt"))
     with pytest.raises(CheckpointError, match="Cannot list checkpoints under"):
         _load(manager)
+
+
+def test_an_etcd_outage_skips_saves_without_stalling_training(
+    tmp_path: Path, own_etcd: EtcdServer, run_id: str
+) -> None:
+    keys = RunKeys("/elastic", run_id)
+    with EtcdClient(EtcdOptions(parse_endpoints(own_etcd.endpoint)[0])) as client:
+        publish_round(client, keys, 1)
+    spec = FenceSpec(endpoints=own_etcd.endpoint, prefix="/elastic", run_id=run_id, round=1)
+    url = str(tmp_path / "ckpt")
+    manager = _manager(url, max_failures=2)
+    manager.commit_fence = RoundFence(spec)
+    assert manager.save(1, _state(1.0), block=True).ok
+    assert own_etcd.proc is not None
+    os.kill(own_etcd.proc.pid, signal.SIGSTOP)  # etcd hangs: requests get no answer
+    try:
+        stalls = []
+        for step in (2, 3, 4, 5):
+            started = time.perf_counter()
+            manager.save(step, _state(float(step)))  # async: waits for the previous save
+            stalls.append(time.perf_counter() - started)
+        outcome = manager.wait()
+    finally:
+        os.kill(own_etcd.proc.pid, signal.SIGCONT)
+    assert outcome is not None and outcome.skipped and manager.failures == 0
+    assert "etcd has not answered an earlier commit-fence call yet" in outcome.error
+    assert stalls[1] < FENCE_TIMEOUT_S + 2.0  # save 2's one bounded wait for etcd
+    assert max(stalls[2:]) < 1.0, stalls  # later saves skip at once
+    assert find_latest_complete(url, RUN, warn=False).step == 1
+    deadline = time.monotonic() + 60.0
+    while not (done := manager.save(6, _state(6.0), block=True)).ok:  # etcd answers again
+        assert done.skipped and time.monotonic() < deadline, done.error
+        threading.Event().wait(0.2)
+    assert find_latest_complete(url, RUN, warn=False).step == 6
