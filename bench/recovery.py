@@ -29,7 +29,7 @@ starts), ``noticed_s`` (first agent deciding to restart its workers),
 ``worker_stopped_s`` (a stopping worker saved its checkpoint and returned),
 ``rdzv_begin_s`` / ``rdzv_s`` (last agent entering / completing the new
 rendezvous round), ``workers_started_s`` (worker processes spawned),
-``worker_ready_s`` (rank 0 worker imported torch, made its process group and
+``worker_ready_s`` (a worker imported torch, made its process group and
 model), ``ckpt_loaded_s`` (last ``ckpt.load``; ``load_s`` is the load alone).
 ``launcher_s`` (= ``workers_started_s``) is the launcher's share and
 ``worker_start_s`` the rest; ``rounds`` is the most rendezvous rounds any one
@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import re
@@ -160,7 +161,7 @@ MARKERS = {  # phase -> (log text, which occurrence in the window)
     "rdzv_begin_s": ("Rendezvous'ing worker group", "last"),
     "rdzv_s": ("Rendezvous complete for workers", "last"),
     "workers_started_s": ("Starting worker group", "last"),
-    "worker_ready_s": ("Worker start: world size", "last"),
+    "worker_ready_s": ("Training from step", "last"),  # the worker joined and resumed
 }
 TORCH_TS = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) ")
 WORKER_TS = re.compile(r"^(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d),(\d{3}) ")
@@ -207,11 +208,29 @@ def _annotate(cluster: LocalCluster, entry: dict[str, Any], first: dict[str, Any
     t0 = entry["t"]
     entry.update(_log_phases(cluster, t0, first["ts"]))
     _inplace_phases(cluster, entry, t0, first["ts"])
+    _beyond_a_step(cluster, entry, t0)
     loads = [e for e in cluster.events("ckpt.load") if t0 < e["ts"] <= first["ts"]]
     if loads:
         entry["ckpt_loaded_s"] = round(max(e["ts"] for e in loads) - t0, 2)
         entry["load_s"] = round(max(e["seconds"] for e in loads), 2)
     _derive(entry)
+
+
+def _beyond_a_step(cluster: LocalCluster, entry: dict[str, Any], t0: float) -> None:
+    """``step_s``: the median gap between the last steps before the event (a step's own
+    time, here mostly its pacing); ``stall_s`` = ``pause_s`` - ``step_s`` (how much longer
+    than a normal step the gap was: what the change cost) and ``recover_over_step_s`` =
+    ``recover_s`` - ``step_s`` (a failed step is redone: one step is part of any recovery)."""
+    ts = sorted(e["ts"] for e in cluster.steps() if e["ts"] < t0)[-6:]
+    gaps = [b - a for a, b in itertools.pairwise(ts)]
+    if not gaps:
+        return
+    step = statistics.median(gaps)
+    entry["step_s"] = round(step, 3)
+    if entry.get("pause_s") is not None:
+        entry["stall_s"] = round(max(0.0, entry["pause_s"] - step), 3)
+    if entry.get("recover_s") is not None:
+        entry["recover_over_step_s"] = round(max(0.0, entry["recover_s"] - step), 3)
 
 
 def _inplace_phases(cluster: LocalCluster, entry: dict[str, Any], t0: float, t1: float) -> None:
@@ -406,7 +425,7 @@ def spread(results: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]
                 "n": len(evs),
                 "steps_lost_max": max(e.get("steps_lost") or 0 for e in evs),
             }
-            for key in ("recover_s", "pause_s"):
+            for key in ("recover_s", "pause_s", "stall_s", "recover_over_step_s"):
                 vals = sorted(e[key] for e in evs if e.get(key) is not None)
                 if vals:
                     row[kind][key] = {
