@@ -142,26 +142,33 @@ class Closer:
         deadline = _Deadline(state.watch, wait_s)
 
         def on_events(index: int, batch: list[KeyEvent]) -> bool:
-            with state.cond:
-                if index == 1:
-                    kv = batch[-1].kv
-                    state.set_round(decode_round(kv.value), kv.mod_revision, kv.mod_revision)
-                    return True
-                if self._take(batch):
-                    return True  # our own key is gone
-                now = time.monotonic()
-                state.touch(now)
-                decision = self._decide(now)
-                if decision.action != before.action or before.action is Action.PUBLISH:
-                    return True
-                deadline.shorten(decision.wake_at, now)
-                return False
+            return self._on_events(index, batch, before, deadline)
 
         try:
             if not self._client.watch_many(targets, wait_s, on_events, state.watch):
                 state.members_seen = 0  # compacted: read everything again
         finally:
             deadline.cancel()
+
+    def _on_events(
+        self, index: int, batch: list[KeyEvent], before: Decision, deadline: _Deadline
+    ) -> bool:
+        """Take a batch of the watch (0: members, 1: the round); True ends the watch."""
+        state = self._state
+        with state.cond:
+            if index == 1:
+                kv = batch[-1].kv
+                state.set_round(decode_round(kv.value), kv.mod_revision, kv.mod_revision)
+                return True
+            if self._take(batch):
+                return True  # our own key is gone
+            now = time.monotonic()
+            state.touch(now)
+            decision = self._decide(now)
+            if decision.action != before.action or before.action is Action.PUBLISH:
+                return True
+            deadline.shorten(decision.wake_at, now)
+            return False
 
     def _take(self, batch: list[KeyEvent]) -> bool:
         """Apply member events (the caller holds the lock); True if our own key is gone."""
