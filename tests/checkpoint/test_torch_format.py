@@ -5,16 +5,25 @@ Every reader here runs in a fresh Python that never imports elastic.
 
 from __future__ import annotations
 
+import json
+import pickle
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from elastic.checkpoint import COMMIT_MARKER, CheckpointManager, StepInfo
 from elastic.checkpoint.foreign import init_from
-from elastic.checkpoint.storage import METADATA
+from elastic.checkpoint.record import frame
+from elastic.checkpoint.storage import METADATA, RAW_FORMAT
 from elastic.errors import CheckpointError
+from elastic.training.config import CheckpointConfig
 
 from .conftest import (
+    RUN,
     assert_same_bytes,
     make_state,
     run_without_elastic,
@@ -99,3 +108,44 @@ def test_a_model_only_checkpoint_fills_the_model(tmp_path: Path) -> None:
 def test_starting_from_a_directory_without_a_checkpoint_is_one_sentence(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"holds no readable DCP checkpoint .*\.$"):
         init_from(str(tmp_path), zeros_like(make_state()))
+
+
+def _to_legacy_raw(info: StepInfo) -> None:
+    """Rewrite a step as versions before torch-format records wrote it: each tensor's raw
+    bytes alone, described by RAW_FORMAT (an unsigned marker, recomputed)."""
+    data_dir = Path(info.data_url)
+    metadata = pickle.loads((data_dir / METADATA).read_bytes())  # our own test file
+    shard = (data_dir / "__0_0.distcp").read_bytes()
+    out = bytearray()
+    for index, entry in sorted(metadata.storage_data.items(), key=lambda kv: kv[1].offset):
+        record = shard[entry.offset : entry.offset + entry.length]
+        meta = metadata.state_dict_metadata[index.fqn]
+        descriptors = None
+        if isinstance(meta, TensorStorageMetadata):
+            framing = frame(meta.properties.dtype, tuple(meta.size))
+            record, descriptors = record[framing.data_offset :][: framing.nbytes], [RAW_FORMAT]
+        metadata.storage_data[index] = _StorageInfo(
+            entry.relative_path, len(out), len(record), transform_descriptors=descriptors
+        )
+        out += record
+    assert len(out) < len(shard)  # the torch.save heads and tails are gone
+    (data_dir / "__0_0.distcp").write_bytes(bytes(out))
+    (data_dir / METADATA).write_bytes(pickle.dumps(metadata))
+    files = {
+        p.name: {"size": p.stat().st_size, "crc32": f"{zlib.crc32(p.read_bytes()):08x}"}
+        for p in data_dir.iterdir()
+    }
+    marker = {**(info.marker or {}), "files": files, "version": 2}
+    (Path(info.step_dir) / COMMIT_MARKER).write_text(json.dumps(marker))
+
+
+def test_checkpoints_of_the_raw_format_still_load(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    state = make_state(4)
+    info = save_with_project(url, 5, state, secret=None)
+    _to_legacy_raw(info)
+    manager = CheckpointManager(CheckpointConfig(url=url, interval=1), RUN, secret=None)
+    loaded = manager.load_latest(lambda: zeros_like(make_state()))
+    assert loaded is not None and loaded[0] == 5
+    assert_same_bytes(loaded[1]["model"], state["model"])
+    assert_same_bytes(loaded[1]["optim"], state["optim"])
