@@ -499,8 +499,8 @@ class _FenceGate:
 
 
 class _Fence:
-    """A uniform view of the optional commit fence (a plain callable or a RoundFence),
-    every call bounded by the manager's :class:`_FenceGate`."""
+    """A uniform view of the optional commit fence (a plain callable or a RoundFence);
+    the calls a save makes are bounded by the manager's :class:`_FenceGate`."""
 
     def __init__(self, fence: Any, gate: _FenceGate) -> None:
         self._fence = fence
@@ -529,8 +529,8 @@ class _Fence:
         records = getattr(self._fence, "records", None)
         if records is None:
             return {}
-        try:
-            return dict(self._gate.call(records))
+        try:  # not bounded: a load waits for the records (the stale-writer check) as long
+            return dict(records())  # as the etcd client rides out an outage
         except Exception as exc:  # etcd unreachable: the markers alone still decide
             logger.warning(
                 "Cannot read the checkpoint commit records (%s); choosing by markers alone.", exc
