@@ -40,6 +40,8 @@ from elastic.errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 MODEL = "model"
+# Other names of a top-level entry in checkpoints that other programs wrote.
+ALIASES: dict[str, tuple[str, ...]] = {"optim": ("optimizer",), "model": ("model_state_dict",)}
 
 
 def init_from(url: str, state: dict[str, Any], group: dist.ProcessGroup | None = None) -> list[str]:
@@ -47,25 +49,27 @@ def init_from(url: str, state: dict[str, Any], group: dist.ProcessGroup | None =
     DCP checkpoint at ``url`` holds of it, on every rank of ``group``; whatever world
     size wrote it.
 
+    Each top-level entry of ``state`` loads from the same name in the checkpoint, else
+    from an alias (:data:`ALIASES`: ``optim`` from torchtitan's ``optimizer``), and
+    ``model`` else from the checkpoint's top-level keys (torchtitan's layout).
+
     Returns:
         The dotted names (DCP's flattened keys, e.g. ``train.consumed``) of the entries
         of ``state`` that the checkpoint does not hold, sorted; they keep their values.
 
     Raises:
-        CheckpointError: ``url`` holds no readable DCP checkpoint, or a stored entry does
-            not fit the state (another shape).
+        CheckpointError: ``url`` holds no readable DCP checkpoint, or none of ``state``,
+            or a stored entry does not fit the state (another shape).
     """
     stored = _stored_keys(url)
-    nested, flat, missing = _plan(state, stored)
-    loads = [nested] + ([flat] if flat else [])
-    for part in loads:
-        if part:
-            _load(url, part, group)
-    if not nested and not flat:
+    parts, missing = _plan(state, stored)
+    if not parts:
         raise CheckpointError(
             f"The checkpoint {url} holds none of the state to start from (it stores "
             f"{_sample(stored)}); check checkpoint.init_from."
         )
+    for part in parts:
+        _load(url, part, group)
     if missing:
         logger.info("Started from %s; not restored: %s.", url, ", ".join(missing))
     return missing
@@ -82,25 +86,35 @@ def _stored_keys(url: str) -> set[str]:
     return set(metadata.state_dict_metadata)
 
 
-def _plan(
-    state: dict[str, Any], stored: set[str]
-) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """Split ``state`` into what loads nested, what loads from top-level keys (a
-    model-only checkpoint), and the flattened names the checkpoint lacks."""
-    nested: dict[str, Any] = {}
-    flat: dict[str, Any] = {}
+def _plan(state: dict[str, Any], stored: set[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The states to load one after another (each shares its values with ``state``) and
+    the flattened names the checkpoint lacks."""
+    parts: list[dict[str, Any]] = []
     missing: list[str] = []
     for key, value in state.items():
-        names = _flat_names({key: value})
-        if names & stored:
-            nested[key] = value
-            missing += sorted(names - stored)
-        elif key == MODEL and isinstance(value, dict) and _flat_names(value) & stored:
-            flat = value
-            missing += sorted(f"{key}.{n}" for n in _flat_names(value) - stored)
+        for source, part in _sources(key, value):
+            names = _flat_names(part)
+            if names & stored:
+                parts.append(part)
+                missing += [_renamed(n, source, key) for n in sorted(names - stored)]
+                break
         else:
-            missing += sorted(names)
-    return nested, flat, sorted(missing)
+            missing += sorted(_flat_names({key: value}))
+    return parts, sorted(missing)
+
+
+def _sources(key: str, value: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Where entry ``key`` may lie in a checkpoint, best first: (its name there, the state
+    to load it as, sharing ``value``)."""
+    sources = [(key, {key: value})] + [(alias, {alias: value}) for alias in ALIASES.get(key, ())]
+    if key == MODEL and isinstance(value, dict):
+        sources.append(("", value))  # torchtitan: the model's keys at the top level
+    return sources
+
+
+def _renamed(name: str, source: str, key: str) -> str:
+    """A flattened name under ``source`` in the checkpoint, as named under ``key``."""
+    return key + (name[len(source) :] if source else f".{name}")
 
 
 def _flat_names(state: dict[str, Any]) -> set[str]:
@@ -169,4 +183,4 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0].rstrip(".")
 
 
-__all__ = ["MODEL", "init_from", "read_entries"]
+__all__ = ["ALIASES", "MODEL", "init_from", "read_entries"]

@@ -149,3 +149,17 @@ def test_checkpoints_of_the_raw_format_still_load(tmp_path: Path) -> None:
     assert loaded is not None and loaded[0] == 5
     assert_same_bytes(loaded[1]["model"], state["model"])
     assert_same_bytes(loaded[1]["optim"], state["optim"])
+
+
+def test_a_torchtitan_layout_fills_model_and_optimizer(tmp_path: Path) -> None:
+    state = make_state(6)
+    titan = {**state["model"], "optimizer": state["optim"], "train_state": {"step": 100}}
+    saved = tmp_path / "titan.pt"
+    torch.save(titan, saved)
+    foreign = tmp_path / "titan"
+    run_without_elastic(STOCK_SAVE.format(state=str(saved), dst=str(foreign)), tmp_path)
+    template = zeros_like(state)
+    missing = init_from(str(foreign), template)
+    assert missing == ["train.consumed", "train.epoch", "train.step"]
+    assert_same_bytes(template["model"], state["model"])
+    assert_same_bytes(template["optim"], state["optim"])
