@@ -18,7 +18,9 @@ A *re-form* is a change of membership that is not a failure: it costs no restart
 4. **A lost peer.** Workers blocked in a collective with a vanished peer cannot hear a stop
    request: the agent gives them :data:`elastic.agent.node.LOST_PEER_GRACE_S`, then kills them.
 5. **No checkpoint for a re-form.** Before an agent stops its workers to re-form (its node
-   stays), it leaves a marker (:func:`marking`) beside the node's snapshots; a worker stopped
+   stays), it leaves a marker (:func:`marking`), the file ``reform`` in its private directory
+   beside the node's snapshots (:mod:`elastic.nodelocal`: only this uid may enter it, so no
+   other user can plant one, nor make the agent write through a symlink); a worker stopped
    while the marker exists writes its memory snapshot and skips the persisted save, unless a
    peer's stop was a real one (its node leaving, the job ending): the group agrees on that
    with the stop flag. A missing or unwritable marker means "persist", the safe side.
@@ -26,37 +28,51 @@ A *re-form* is a change of membership that is not a failure: it costs no restart
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from elastic import env
+from elastic import env, nodelocal
 
-MARKER_DIR = "/dev/shm"  # beside the snapshots (elastic.recovery.snapshot.DEFAULT_DIR)
+MARKER_DIR = nodelocal.DEFAULT_BASE  # beside the snapshots (elastic.recovery.snapshot)
+MARKER = "reform"
 
 
-def marker(owner: int, directory: str = MARKER_DIR) -> Path:
-    """The file that says: agent ``owner`` is stopping its workers to re-form."""
-    return Path(directory) / f"elastic-reform-{owner}"
+def marker(owner: int, directory: str = MARKER_DIR) -> Path | None:
+    """The file that says: agent ``owner`` is stopping its workers to re-form (None: the
+    agent has no private directory under ``directory``)."""
+    folder = nodelocal.find(owner, directory)
+    return folder / MARKER if folder is not None else None
 
 
 @contextlib.contextmanager
 def marking(owner: int, directory: str = MARKER_DIR) -> Iterator[None]:
-    """Hold the re-form marker of agent ``owner`` while its workers stop."""
-    path = marker(owner, directory)
+    """Hold the re-form marker of agent ``owner`` while its workers stop (created exclusively,
+    never through a symlink; if it cannot be, the workers persist)."""
+    path: Path | None = None
     with contextlib.suppress(OSError):
-        path.touch()
+        path = nodelocal.directory(owner, directory) / MARKER
+        with contextlib.suppress(FileExistsError):  # left by a stop that was killed
+            os.close(nodelocal.open_file(path, create=True))
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if path is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def stopping_for_reform(directory: str = MARKER_DIR) -> bool:
     """Whether this worker's agent is stopping it to re-form (the node stays, and so do its
-    memory snapshots); False without an agent that owns the snapshots."""
+    memory snapshots); False without an agent that owns the snapshots, or when the marker
+    is not a regular file of this uid in the agent's private directory."""
     owner = os.environ.get(env.SNAPSHOT_OWNER, "")
-    return owner.isdigit() and marker(int(owner), directory).exists()
+    path = marker(int(owner), directory) if owner.isdigit() else None
+    try:
+        st = os.lstat(path) if path is not None else None
+    except OSError:
+        return False
+    return st is not None and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 OK = 0

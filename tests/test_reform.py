@@ -18,7 +18,7 @@ def test_the_marker_exists_only_while_the_agent_stops_its_workers(
     with reform.marking(os.getpid(), str(tmp_path)):
         assert reform.stopping_for_reform(str(tmp_path))
     assert not reform.stopping_for_reform(str(tmp_path))
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / f"elastic-{os.geteuid()}" / str(os.getpid())).iterdir()) == []
 
 
 def test_another_agents_marker_or_no_agent_means_persist(
@@ -34,4 +34,4 @@ def test_another_agents_marker_or_no_agent_means_persist(
 def test_an_unwritable_directory_means_persist(tmp_path: Path) -> None:
     missing = str(tmp_path / "missing")
     with reform.marking(os.getpid(), missing):  # no error: the workers just persist
-        assert not reform.marker(os.getpid(), missing).exists()
+        assert reform.marker(os.getpid(), missing) is None

@@ -19,9 +19,11 @@ Small hooks into torch's agent:
   waiting for the collective timeout.
 * **The commit fence in the worker environment,** since warm workers fork from a
   server that took the agent's environment before the rendezvous set it.
-* **Snapshot lifetime** (:mod:`elastic.recovery.snapshot`): workers learn this agent's
-  pid (their snapshot files in ``/dev/shm`` carry it, so they outlive a worker restart);
-  the agent removes its files when it exits, and on start those of agents that are gone.
+* **Node-local files** (:mod:`elastic.nodelocal`): snapshots, channels and the re-form marker
+  live in this agent's private directory, ``/dev/shm/elastic-<uid>/<agent pid>/`` (0700), made
+  when it starts; workers learn this agent's pid, so their snapshots outlive a worker restart.
+  The agent removes its directory when it exits, and on start what agents that are gone left
+  (skipping, with one log line, what is not this uid's to remove: it starts regardless).
 * **In-place re-forms** (:mod:`elastic.inplace`): when every local worker is a script on
   ``elastic.Run`` that registered on its channel, a change of membership runs the
   rendezvous and hands the running workers their new ranks instead of restarting them
@@ -56,7 +58,7 @@ from torch.distributed.elastic.agent.server.api import (
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from elastic import env, events, metrics, reform
+from elastic import env, events, metrics, nodelocal, reform
 from elastic.inplace import channel
 from elastic.inplace.channel import Assignment
 from elastic.procs import alive
@@ -347,8 +349,7 @@ class NodeAgent(LocalElasticAgent):
             )
 
     def run(self, role: str = "default") -> Any:
-        snapshot.remove_orphans()  # left by agents killed with -9 on this node
-        channel.remove_orphans()
+        _prepare_node()
         try:
             return super().run(role)
         except SignalException as exc:
@@ -361,9 +362,18 @@ class NodeAgent(LocalElasticAgent):
                     logger.warning("Could not leave the rendezvous: %s", leave_exc)
             raise
         finally:
-            snapshot.remove_owned(os.getpid())
-            for local_rank in range(self._worker_group.spec.local_world_size):
-                channel.remove(channel.prefix_for(os.getpid(), local_rank))
+            nodelocal.remove_owned(os.getpid())  # snapshots, channels, marker
+
+
+def _prepare_node() -> None:
+    """Remove what agents killed with -9 on this node left and make this agent's private
+    directory. Never raises: a node-local problem must not stop the agent from starting."""
+    snapshot.remove_orphans()
+    channel.remove_orphans()
+    try:
+        nodelocal.directory(os.getpid())
+    except OSError as exc:  # the workers refuse their snapshots with the same sentence
+        logger.warning("%s", exc)
 
 
 def _exit_handles(pcontext: Any, stack: contextlib.ExitStack) -> list[Any]:

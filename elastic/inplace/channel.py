@@ -1,7 +1,10 @@
 """The local channel between a node's agent and its running workers, for in-place re-forms.
 
-Two small JSON files per worker in node-local shared memory, each written whole (a temporary
-file renamed over the old one), never unpickled:
+Two small JSON files per worker, ``channel-<local rank>.{agent,worker}`` in the agent's private
+directory (:mod:`elastic.nodelocal`: ``/dev/shm/elastic-<uid>/<agent pid>/``, only this uid
+may enter it), each written whole (a temporary file made exclusively, renamed over the old
+one), read only when it is this uid's regular file (never through a symlink, at most 64 KiB),
+never unpickled:
 
 * ``<prefix>.agent``: the agent's newest :class:`Assignment` for this worker: the round,
   its rank and world size, the round's bootstrap store and fence. ``pending`` assignments
@@ -11,13 +14,14 @@ file renamed over the old one), never unpickled:
   re-form in place, and whether it asks for a new round (its step failed and no round came).
 
 The prefix reaches the worker as :data:`elastic.env.CHANNEL`; the agent removes the files
-when it stops its workers.
+when it stops its workers, and its directory when it exits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
@@ -27,9 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic import procs
+from elastic import nodelocal, procs
 
-DIRECTORY = "/dev/shm"
+logger = logging.getLogger(__name__)
+
+DIRECTORY = nodelocal.DEFAULT_BASE
 POLL_S = 0.005
 
 
@@ -82,19 +88,32 @@ def paths(prefix: str | os.PathLike[str]) -> tuple[Path, Path]:
 
 
 def prefix_for(owner: int, local_rank: int, directory: str = DIRECTORY) -> Path:
-    return Path(directory) / f"elastic-channel-{owner}-{local_rank}"
+    """The channel of agent ``owner``'s worker ``local_rank``, in the agent's private
+    directory under ``directory`` (created if missing).
+
+    Raises:
+        OSError: no private directory can be had there (one sentence).
+    """
+    return nodelocal.directory(owner, directory) / f"channel-{local_rank}"
 
 
 def _write(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, sort_keys=True))
-    os.replace(tmp, path)
+    nodelocal.write_whole(path, json.dumps(payload, sort_keys=True).encode())
+
+
+_refused: set[Path] = set()  # files already reported as not ours
 
 
 def _read(path: Path) -> str | None:
+    """The file's text; None when absent, unreadable, or not this uid's own (said once)."""
     try:
-        return path.read_text()
-    except OSError:
+        return nodelocal.read_small(path).decode()
+    except PermissionError as exc:
+        if path not in _refused:
+            _refused.add(path)
+            logger.warning("%s", exc)
+        return None
+    except (OSError, UnicodeDecodeError):
         return None
 
 
@@ -139,20 +158,17 @@ def remove(prefix: str | os.PathLike[str]) -> None:
             path.unlink()
 
 
-_NAME = re.compile(r"^elastic-channel-(?P<pid>\d+)-\d+\.(agent|worker)$")
+_LEGACY = re.compile(r"^elastic-channel-(?P<pid>\d+)-\d+\.(agent|worker)$")
 
 
 def remove_orphans(directory: str = DIRECTORY) -> int:
-    """Remove the channel files of agents that are gone (killed with -9); their count."""
-    removed = 0
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            match = _NAME.match(name)
-            if match and not procs.alive(int(match["pid"])):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, name))
-                    removed += 1
-    return removed
+    """Remove the channel files of agents that are gone (killed with -9); their count.
+
+    The agents' directories go with :func:`elastic.nodelocal.remove_orphans`; this removes
+    this uid's files under the flat names of earlier versions. Never raises: another user's
+    entries are left and logged once."""
+    gone = nodelocal.remove_stale(directory, _LEGACY, lambda pid: not procs.alive(pid))
+    return len(gone)
 
 
 class Watcher:

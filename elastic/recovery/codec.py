@@ -6,12 +6,21 @@ numpy arrays) into a JSON-able tree in which every tensor is replaced by a refer
 one byte range (64-byte aligned), :func:`unflatten` rebuilds the state from the tree
 and a byte buffer. Dicts are stored as key/value pairs so that integer keys (an
 optimizer's parameter ids) come back as integers.
+
+Metadata is read as untrusted input (a snapshot file, a peer's stream): :func:`check` bounds
+and validates it before anything is built (at most :data:`MAX_META` bytes and
+:data:`MAX_DEPTH` levels; every slot a known type whose shape fills exactly its bytes, inside
+the data; every reference to an existing slot), so a crafted or corrupt document is one
+:class:`~elastic.errors.RecoveryError` sentence, never an ``IndexError`` or an allocation
+beyond the data it came with.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +29,10 @@ import torch
 from elastic.errors import RecoveryError
 
 ALIGN = 64
+MAX_META = 64 << 20  # bytes of JSON metadata read at most
+MAX_DEPTH = 64  # nesting levels of the state tree (an optimizer's state is ~6)
+MAX_DIMS = 64
+_REFS = ("__t", "__np")
 
 
 @dataclass(frozen=True)
@@ -102,21 +115,98 @@ def view(data: torch.Tensor, slot: Slot) -> torch.Tensor:
     return raw.view(dtype).view(slot.shape)
 
 
+def _corrupt(why: str) -> RecoveryError:
+    return RecoveryError(f"The snapshot's metadata is corrupt ({why}); it is not used.")
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _slot(raw: Any, data_len: int) -> Slot:
+    """One slot of the document, checked against the type, its shape and the data."""
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise _corrupt("a slot is not [offset, bytes, type, shape]")
+    offset, nbytes, name, shape = raw
+    if not (_int(offset) and _int(nbytes) and isinstance(name, str) and isinstance(shape, list)):
+        raise _corrupt("a slot's offset, size, type or shape is not what it must be")
+    if len(shape) > MAX_DIMS or not all(_int(d) for d in shape):
+        raise _corrupt(f"a slot's shape {shape[:8]} is not a list of sizes")
+    dtype = _dtype(name)
+    if math.prod(shape) * dtype.itemsize != nbytes:
+        raise _corrupt(f"a {name} tensor of shape {shape[:8]} cannot take {nbytes} bytes")
+    if offset + nbytes > data_len or offset % max(dtype.itemsize, 1):
+        raise _corrupt(f"a slot at {offset} (+{nbytes}) lies outside {data_len} data bytes")
+    return Slot(offset, nbytes, name, tuple(shape))
+
+
+def _walk(value: Any, slots: int, depth: int = 0) -> None:
+    """Check the tree's shape: its depth, node kinds and slot references."""
+    if depth > MAX_DEPTH:
+        raise _corrupt(f"the state is nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, list):
+        for v in value:
+            _walk(v, slots, depth + 1)
+        return
+    if not isinstance(value, dict):
+        return
+    if len(value) != 1:
+        raise _corrupt(f"a node has the keys {sorted(value)[:4]}")
+    ((kind, inner),) = value.items()
+    if kind in _REFS:
+        if not _int(inner) or inner >= slots:
+            raise _corrupt(f"a tensor refers to slot {inner!r} of {slots}")
+    elif kind == "__d":
+        if not isinstance(inner, list) or not all(
+            isinstance(kv, list) and len(kv) == 2 for kv in inner
+        ):
+            raise _corrupt("a dict is not a list of [key, value] pairs")
+        _walk(inner, slots, depth + 1)
+    elif kind == "__tu":
+        if not isinstance(inner, list):
+            raise _corrupt("a tuple is not a list")
+        _walk(inner, slots, depth + 1)
+    elif kind in ("__b", "__dt"):
+        if not isinstance(inner, str):
+            raise _corrupt(f"a {kind} node holds no string")
+    else:
+        raise _corrupt(f"an unknown node {kind!r}")
+
+
+def parse(meta: bytes, data_len: int) -> tuple[Any, list[Slot]]:
+    """The validated ``(tree, slots)`` of a metadata document over ``data_len`` data bytes.
+
+    Raises:
+        RecoveryError: the document is too large, not JSON, or does not describe the data.
+    """
+    if len(meta) > MAX_META:
+        raise _corrupt(f"{len(meta)} bytes, over the {MAX_META} this node reads")
+    try:
+        doc = json.loads(meta)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise _corrupt(f"not JSON: {type(exc).__name__}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("slots"), list) or "tree" not in doc:
+        raise _corrupt("not a document of a tree and its slots")
+    slots = [_slot(raw, data_len) for raw in doc["slots"]]
+    _walk(doc["tree"], len(slots))
+    return doc["tree"], slots
+
+
+def check(meta: bytes, data_len: int) -> None:
+    """Raise :class:`RecoveryError` unless ``meta`` validly describes ``data_len`` bytes."""
+    parse(meta, data_len)
+
+
 def decode(meta: bytes, data: torch.Tensor, clone: bool = True) -> Any:
     """Rebuild the state from its metadata and the uint8 tensor ``data``.
 
     With ``clone`` every tensor is copied out of ``data`` (needed when ``data`` is a
     shared-memory mapping that will be written again).
+
+    Raises:
+        RecoveryError: the metadata is corrupt or does not describe ``data`` (one sentence).
     """
-    try:
-        doc = json.loads(meta)
-        slots = [Slot(o, n, d, tuple(s)) for o, n, d, s in doc["slots"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RecoveryError(
-            f"The snapshot's metadata cannot be read ({exc}); it is corrupt."
-        ) from exc
-    if slots and slots[-1].offset + slots[-1].nbytes > data.numel():
-        raise RecoveryError("The snapshot's data is shorter than its metadata says; it is corrupt.")
+    tree, slots = parse(meta, data.numel())
 
     def tensor(i: int) -> torch.Tensor:
         t = view(data, slots[i])
@@ -134,14 +224,15 @@ def decode(meta: bytes, data: torch.Tensor, clone: bool = True) -> Any:
         if "__tu" in value:
             return tuple(dec(v) for v in value["__tu"])
         if "__b" in value:
-            return base64.b64decode(value["__b"])
+            return base64.b64decode(value["__b"], validate=True)
         if "__dt" in value:
             return _dtype(value["__dt"])
-        if "__np" in value:
-            return tensor(value["__np"]).numpy()
-        raise RecoveryError(f"The snapshot's metadata has an unknown node {sorted(value)}.")
+        return tensor(value["__np"]).numpy()
 
-    return dec(doc["tree"])
+    try:
+        return dec(tree)
+    except (TypeError, ValueError, RuntimeError, binascii.Error) as exc:  # unhashable keys ...
+        raise _corrupt(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _key(key: Any) -> Any:
@@ -161,21 +252,32 @@ def to_json(state: Any) -> str:
 
 
 def from_json(text: str) -> Any:
-    """Inverse of :func:`to_json`."""
-    doc = json.loads(text)
-    raw = bytearray(base64.b64decode(doc["data"]))
+    """Inverse of :func:`to_json`.
+
+    Raises:
+        RecoveryError: ``text`` is not what :func:`to_json` writes (one sentence).
+    """
+    try:
+        doc = json.loads(text)
+        raw = bytearray(base64.b64decode(doc["data"], validate=True))
+        meta = doc["meta"].encode()
+    except (ValueError, RecursionError, TypeError, KeyError, AttributeError) as exc:
+        raise _corrupt(f"not a state in JSON: {type(exc).__name__}") from exc
     data = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-    return decode(doc["meta"].encode(), data)
+    return decode(meta, data)
 
 
 __all__ = [
+    "MAX_META",
     "RecoveryError",
     "Slot",
+    "check",
     "decode",
     "encode_meta",
     "flatten",
     "from_json",
     "layout",
+    "parse",
     "to_json",
     "view",
 ]

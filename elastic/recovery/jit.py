@@ -185,6 +185,10 @@ class StepSnapshots:
             loop did not reach its end).
         every: ``"auto"``, N, or 0 (no snapshots, not even at a failure).
         round_: the rendezvous round that produced this state.
+
+    Raises:
+        RecoveryError: no room for the snapshot buffers of ``state()`` (they are allocated
+            here, before the first step).
     """
 
     def __init__(
@@ -212,6 +216,8 @@ class StepSnapshots:
         self._cost_mark: float | None = None
         self._clock = time.perf_counter()
         self._timed = False  # the first step after a (re)start includes the start
+        if self.enabled:  # a full /dev/shm: one sentence now, not at the first snapshot
+            self.snapshotter.reserve(state())
         self._hooks = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),

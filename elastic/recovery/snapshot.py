@@ -1,9 +1,19 @@
 """The per-step training snapshot in node-local shared memory, double-buffered.
 
-Each local rank owns two files, ``<dir>/elastic-<run>-p<agent pid>-r<local rank>-{a,b}``
-(``<dir>`` is ``/dev/shm`` by default). They outlive the worker: a restarted worker of
-the same agent finds them; the agent removes them when it exits, and an agent that
-starts removes the files of agents that are gone (:func:`remove_orphans`).
+Each local rank owns two files, ``snap-<run>-r<local rank>-{a,b}``, in its agent's private
+directory ``<dir>/elastic-<uid>/<agent pid>/`` (``<dir>`` is ``/dev/shm`` by default; only this
+uid may enter it, see :mod:`elastic.nodelocal`): no other local user can plant a snapshot to
+resume from, link a buffer to a file of theirs, or read one. The files outlive the worker: a
+restarted worker of the same agent finds them; the agent removes its directory when it exits,
+and an agent that starts removes those of agents that are gone (:func:`remove_orphans`). Under
+plain ``torchrun`` (whose agent removes nothing) the worker that creates the directory starts
+a small process that removes it once that agent exits, whatever the way it ends.
+
+Both buffers are allocated in full (``posix_fallocate``) when the run starts, for the state as
+it is then, and again whenever it grows, so a full ``/dev/shm`` is one sentence
+(:class:`~elastic.errors.RecoveryError`) before the first step, never a ``SIGBUS`` while
+copying. A reader checks every header and the metadata (:func:`elastic.recovery.codec.check`)
+before it trusts a buffer: a corrupt newest buffer is skipped for the older one.
 
 A file is a 4 KiB header, the JSON metadata (:mod:`elastic.recovery.codec`), then the
 raw tensor bytes. The header holds a magic, a sequence counter, the step, the
@@ -31,6 +41,8 @@ import os
 import queue
 import re
 import struct
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -39,9 +51,9 @@ from typing import Any
 
 import torch
 
-from elastic import env, procs
+from elastic import env, nodelocal, procs
 from elastic.errors import RecoveryError
-from elastic.recovery.codec import encode_meta, flatten, layout, view
+from elastic.recovery.codec import MAX_META, check, encode_meta, flatten, layout, view
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +64,8 @@ MAGIC = b"ELSNAP01"
 _HEADER = struct.Struct("<8sQqqQQQ")  # magic, seq, step, round, meta_len, data_len, data_off
 HEADER_BYTES = 4096
 _GROW = 1 << 20
-_NAME = re.compile(r"^elastic-(?P<run>.+)-p(?P<pid>\d+)-r(?P<rank>\d+)-(?P<buf>[ab])$")
+_LEGACY = re.compile(r"^elastic-(?P<run>.+)-p(?P<pid>\d+)-r(?P<rank>\d+)-(?P<buf>[ab])$")
+_NAME = re.compile(r"^snap-.+-r\d+-[ab]$")
 BUFFERS = ("a", "b")
 
 
@@ -77,8 +90,13 @@ def safe_run_id(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", run_id) or "run"
 
 
+def snapshot_name(run_id: str, local_rank: int, buf: str) -> str:
+    return f"snap-{safe_run_id(run_id)}-r{local_rank}-{buf}"
+
+
 def snapshot_path(directory: str, run_id: str, owner: int, local_rank: int, buf: str) -> Path:
-    return Path(directory) / f"elastic-{safe_run_id(run_id)}-p{owner}-r{local_rank}-{buf}"
+    """Where buffer ``buf`` lives: agent ``owner``'s private directory (created if missing)."""
+    return nodelocal.directory(owner, directory) / snapshot_name(run_id, local_rank, buf)
 
 
 def owner_pid() -> int:
@@ -93,30 +111,78 @@ def owner_pid() -> int:
 
 
 def remove_owned(owner: int, directory: str = DEFAULT_DIR) -> list[Path]:
-    """Remove every snapshot file of agent ``owner`` (the agent calls it when it exits)."""
-    return _remove(directory, lambda pid: pid == owner)
+    """Remove every snapshot file of agent ``owner`` (the agent removes its whole directory
+    when it exits: :func:`elastic.nodelocal.remove_owned`)."""
+    folder = nodelocal.find(owner, directory)
+    removed: list[Path] = []
+    if folder is None:
+        return removed
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            if _NAME.match(name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(folder / name)
+                    removed.append(folder / name)
+    return removed
 
 
 def remove_orphans(directory: str = DEFAULT_DIR) -> list[Path]:
-    """Remove the snapshot files whose owning agent is no longer running."""
-    return _remove(directory, lambda pid: not procs.alive(pid))
-
-
-def _remove(directory: str, doomed: Any) -> list[Path]:
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    for name in names:
-        match = _NAME.match(name)
-        if match and doomed(int(match["pid"])):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(Path(directory) / name)
-    if removed:
-        logger.info("Removed %d snapshot files from %s.", len(removed), directory)
+    """Remove the node-local files of agents that are no longer running: their directories,
+    and snapshot files of this uid under the flat names of earlier versions. Never raises:
+    what it cannot or should not remove is logged once and left."""
+    removed = nodelocal.remove_orphans(directory)
+    removed += nodelocal.remove_stale(directory, _LEGACY, lambda pid: not procs.alive(pid))
     return removed
+
+
+def _refused(exc: OSError, where: str) -> RecoveryError:
+    """A node-local path we may not use, as one sentence."""
+    if exc.strerror is None:  # elastic.nodelocal's own sentence
+        return RecoveryError(str(exc))
+    return RecoveryError(
+        f"Cannot keep snapshots in {where}: {exc.strerror}; give the run a directory this "
+        "user can write (snapshot_dir)."
+    )
+
+
+_REAPER = (
+    "import os, select, shutil, sys\n"
+    "try:\n"
+    "    fd = os.pidfd_open(int(sys.argv[1]))\n"
+    "except OSError:\n"
+    "    sys.exit()\n"
+    "select.select([fd], [], [])\n"
+    "shutil.rmtree(sys.argv[2], ignore_errors=True)\n"
+)
+
+
+def _reap_after(owner: int, folder: Path) -> None:
+    """Remove ``folder`` once process ``owner`` (plain torchrun's agent) exits: a small
+    process of its own session waits on its pidfd (no pid reuse can fool it)."""
+    try:
+        subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER, str(owner), str(folder)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+            start_new_session=True,
+            cwd="/",
+        )
+    except OSError as exc:  # the next elastic-agent on this node removes them instead
+        logger.warning("Cannot start the cleanup of %s after torchrun exits: %s", folder, exc)
+
+
+def _torchrun_owner(owner: int) -> bool:
+    """Whether ``owner`` is plain torchrun's agent (ours says so in the environment)."""
+    return not os.environ.get(OWNER_ENV) and owner == os.getppid() and owner != os.getpid()
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Back the first ``size`` bytes of ``fd`` with memory now (tmpfs: ENOSPC here, not a
+    SIGBUS at the first write into a hole)."""
+    if os.fstat(fd).st_size < size:
+        os.posix_fallocate(fd, 0, size)
 
 
 class SnapshotFile:
@@ -135,17 +201,18 @@ class SnapshotFile:
         """Map the file (creating it when ``create``); False if it does not exist."""
         if self._mm is not None:
             return True
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
         try:
-            fd = os.open(self.path, flags, 0o600)
+            fd = nodelocal.open_file(self.path, create=create)
         except FileNotFoundError:
             return False
+        except PermissionError as exc:  # a symlink, another user's file: never used
+            raise _refused(exc, str(self.path.parent)) from exc
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES:
                 if not create:
                     return False
-                os.ftruncate(fd, HEADER_BYTES)
+                _allocate(fd, HEADER_BYTES)
                 size = HEADER_BYTES
             self._map(fd, size)
         finally:
@@ -157,13 +224,20 @@ class SnapshotFile:
         self.u8 = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def ensure(self, size: int) -> None:
-        """Grow the file to hold ``size`` bytes (the header's seq is already odd)."""
+        """Grow the file to hold ``size`` bytes, allocated in full.
+
+        Raises:
+            OSError: no room for it (ENOSPC); the file keeps its old size and content.
+        """
         if size <= self.size:
             return
         size = (size + size // 4 + _GROW - 1) // _GROW * _GROW
-        fd = os.open(self.path, os.O_RDWR)
         try:
-            os.ftruncate(fd, size)
+            fd = nodelocal.open_file(self.path)
+        except PermissionError as exc:
+            raise _refused(exc, str(self.path.parent)) from exc
+        try:
+            _allocate(fd, size)
             self.u8 = torch.empty(0, dtype=torch.uint8)  # drop the old mapping's views
             self._mm = None
             self._map(fd, size)
@@ -197,12 +271,31 @@ class SnapshotFile:
         assert self._mm is not None
         self._mm[HEADER_BYTES : HEADER_BYTES + len(meta)] = meta
 
+    def problem(self, head: Header) -> str | None:
+        """Why the complete snapshot ``head`` cannot be used (its header or metadata is
+        corrupt), or None when it can."""
+        if not 0 < head.meta_len <= MAX_META:
+            return f"its metadata length {head.meta_len} is out of range"
+        if head.data_off < HEADER_BYTES + head.meta_len or head.data_off % 4096:
+            return f"its data offset {head.data_off} overlaps the metadata or is unaligned"
+        if head.data_off + head.data_len > self.size:
+            return f"it claims {head.data_off + head.data_len} bytes of a {self.size}-byte file"
+        assert self._mm is not None
+        try:
+            check(bytes(self._mm[HEADER_BYTES : HEADER_BYTES + head.meta_len]), head.data_len)
+        except RecoveryError as exc:
+            return str(exc)
+        return None
+
     def read(self) -> tuple[Header, bytes, torch.Tensor] | None:
-        """The complete snapshot (header, metadata, data as a uint8 view), or None."""
+        """The complete snapshot (header, metadata, data as a uint8 view), or None (none,
+        or its header is out of range)."""
         head = self.header()
         if head is None or not head.complete:
             return None
-        if head.data_off + head.data_len > self.size or HEADER_BYTES + head.meta_len > self.size:
+        if not 0 < head.meta_len <= MAX_META or head.data_off < HEADER_BYTES + head.meta_len:
+            return None
+        if head.data_off + head.data_len > self.size:
             return None
         assert self._mm is not None
         meta = bytes(self._mm[HEADER_BYTES : HEADER_BYTES + head.meta_len])
@@ -221,7 +314,11 @@ class SnapshotFile:
 
 
 class SnapshotStore:
-    """The two buffers of one local rank of one run on this node."""
+    """The two buffers of one local rank of one run on this node.
+
+    Raises:
+        RecoveryError: no private directory can be had under ``directory`` (one sentence).
+    """
 
     def __init__(
         self,
@@ -231,14 +328,36 @@ class SnapshotStore:
         directory: str = DEFAULT_DIR,
     ) -> None:
         self.owner = owner if owner is not None else owner_pid()
+        try:
+            self.folder, made = nodelocal.ensure(self.owner, directory)
+        except OSError as exc:
+            raise _refused(exc, directory) from exc
+        if made and _torchrun_owner(self.owner):
+            _reap_after(self.owner, self.folder)
         self.files = {
-            b: SnapshotFile(snapshot_path(directory, run_id, self.owner, local_rank, b))
-            for b in BUFFERS
+            b: SnapshotFile(self.folder / snapshot_name(run_id, local_rank, b)) for b in BUFFERS
         }
         self._newest: str | None = None
+        self._judged: dict[str, tuple[Header, str | None]] = {}
+
+    def _usable(self, name: str, head: Header) -> bool:
+        """Whether buffer ``name``'s complete snapshot ``head`` passes its checks (once per
+        header); a corrupt one is logged once and skipped."""
+        judged = self._judged.get(name)
+        if judged is None or judged[0] != head:
+            judged = (head, self.files[name].problem(head))
+            self._judged[name] = judged
+            if judged[1] is not None:
+                logger.warning(
+                    "Ignoring the corrupt snapshot %s of step %d: %s",
+                    self.files[name].path,
+                    head.step,
+                    judged[1],
+                )
+        return judged[1] is None
 
     def newest(self) -> tuple[str, Header] | None:
-        """The buffer holding the newest complete snapshot and its header, or None."""
+        """The buffer holding the newest usable snapshot and its header, or None."""
         best: tuple[str, Header] | None = None
         for name, f in self.files.items():
             if not f.open(create=False):
@@ -247,6 +366,8 @@ class SnapshotStore:
             if head is None or not head.complete:
                 if head is not None:
                     logger.warning("Ignoring the torn snapshot %s (seq %d).", f.path, head.seq)
+                continue
+            if not self._usable(name, head):
                 continue
             if best is None or (head.step, head.round, head.seq) > (
                 best[1].step,
@@ -258,12 +379,12 @@ class SnapshotStore:
         return best
 
     def read(self) -> tuple[Header, bytes, torch.Tensor] | None:
-        """The newest complete snapshot: header, metadata, data (a view: copy it out)."""
+        """The newest usable snapshot: header, metadata, data (a view: copy it out)."""
         found = self.newest()
         return self.files[found[0]].read() if found else None
 
     def target(self) -> SnapshotFile:
-        """The buffer to write next: never the one holding the newest complete snapshot."""
+        """The buffer to write next: never the one holding the newest usable snapshot."""
         if self._newest is None:
             self.newest()
         name = "b" if self._newest == "a" else "a"
@@ -279,6 +400,9 @@ class SnapshotStore:
             f.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f.path)
+        if self.owner == os.getpid():  # no agent: the directory was this process's own
+            with contextlib.suppress(OSError):
+                os.rmdir(self.folder)
 
     def close(self) -> None:
         for f in self.files.values():
@@ -321,10 +445,13 @@ class Snapshotter:
         tree, tensors = flatten(state)
         slots, size = layout(tensors)
         meta = encode_meta(tree, slots)
-        data_off = (HEADER_BYTES + len(meta) + 4095) // 4096 * 4096
-        f = self.store.target()
+        data_off = _data_offset(len(meta))
+        try:
+            f = self.store.target()
+            f.ensure(data_off + size)
+        except OSError as exc:  # no room: the older buffers stay as they are
+            raise self._failed(exc) from exc
         f.begin()
-        f.ensure(data_off + size)
         f.write_meta(meta)
         data = f.u8[data_off : data_off + size]
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -354,6 +481,22 @@ class Snapshotter:
         if self._thread is None:  # one long-lived copier: no thread start per step
             self._thread = threading.Thread(target=self._loop, name="elastic-snapshot", daemon=True)
             self._thread.start()
+
+    def reserve(self, state: Any) -> None:
+        """Allocate both buffers for a snapshot of ``state`` now (before the first step).
+
+        Raises:
+            RecoveryError: no room for them, in one sentence (Docker's /dev/shm is 64 MB).
+        """
+        tree, tensors = flatten(state)
+        slots, size = layout(tensors)
+        need = _data_offset(len(encode_meta(tree, slots))) + size
+        try:
+            for f in self.store.files.values():
+                f.open(create=True)
+                f.ensure(need)
+        except OSError as exc:
+            raise self._failed(exc) from exc
 
     def _loop(self) -> None:
         while True:
@@ -425,12 +568,19 @@ class Snapshotter:
             raise self._failed(error)
 
     def _failed(self, error: BaseException) -> RecoveryError:
+        if isinstance(error, RecoveryError):
+            return error
+        why = error.strerror if isinstance(error, OSError) and error.strerror else error
         failure = RecoveryError(
-            f"The snapshot copy into {self.store.files['a'].path.parent} failed: {error}. "
+            f"The snapshot copy into {self.store.folder} failed: {why}. "
             "Make room in that directory (Docker: raise shm_size) or lower snapshot_every."
         )
         failure.__cause__ = error
         return failure
+
+
+def _data_offset(meta_len: int) -> int:
+    return (HEADER_BYTES + meta_len + 4095) // 4096 * 4096
 
 
 def _overlap_helps() -> bool:
@@ -455,5 +605,6 @@ __all__ = [
     "owner_pid",
     "remove_orphans",
     "remove_owned",
+    "snapshot_name",
     "snapshot_path",
 ]

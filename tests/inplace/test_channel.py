@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from elastic import nodelocal
 from elastic.inplace import channel
 from elastic.inplace.channel import Assignment, Registration, Watcher
 
@@ -78,8 +79,23 @@ def test_orphans_of_dead_agents_are_removed(tmp_path: Path) -> None:
     theirs = channel.prefix_for(gone, 0, str(tmp_path))
     for prefix in (mine, theirs):
         channel.write_assignment(prefix, Assignment(1))
+    legacy = tmp_path / f"elastic-channel-{gone}-0.agent"  # the flat name of earlier versions
+    legacy.write_text("{}")
     (tmp_path / "unrelated").touch()
+    assert nodelocal.remove_orphans(str(tmp_path)) == [theirs.parent]
     assert channel.remove_orphans(str(tmp_path)) == 1
     assert channel.read_assignment(mine) is not None
     assert channel.read_assignment(theirs) is None
-    assert (tmp_path / "unrelated").exists()
+    assert not legacy.exists() and (tmp_path / "unrelated").exists()
+
+
+def test_channel_files_live_in_the_agents_private_directory(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    prefix = channel.prefix_for(os.getpid(), 3, str(tmp_path))
+    channel.write_assignment(prefix, Assignment(2))
+    assert prefix.parent == tmp_path / f"elastic-{os.geteuid()}" / str(os.getpid())
+    for folder in (prefix.parent, prefix.parent.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(channel.paths(prefix)[0].stat().st_mode) == 0o600

@@ -186,15 +186,17 @@ def test_cleanup_of_owned_and_orphaned_files(tmp_path: Path) -> None:
     for owner in (os.getpid(), dead_pid, 1):
         for buf in "ab":
             snapshot_path(str(tmp_path), "run-x", owner, 0, buf).write_bytes(b"x")
+    legacy = [tmp_path / f"elastic-run_x-p{dead_pid}-r0-{b}" for b in "ab"]
+    for path in legacy:  # the flat names of earlier versions
+        path.write_bytes(b"x")
     (tmp_path / "unrelated").write_bytes(b"x")
     removed = remove_orphans(str(tmp_path))
-    assert {p.name for p in removed} == {f"elastic-run_x-p{dead_pid}-r0-{b}" for b in "ab"}
+    root = tmp_path / f"elastic-{os.geteuid()}"
+    assert sorted(removed) == sorted([root / str(dead_pid), *legacy])
     assert len(remove_owned(os.getpid(), str(tmp_path))) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "elastic-run_x-p1-r0-a",
-        "elastic-run_x-p1-r0-b",
-        "unrelated",
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [root.name, "unrelated"]
+    assert sorted(p.name for p in (root / "1").iterdir()) == ["snap-run_x-r0-a", "snap-run_x-r0-b"]
+    assert not list((root / str(os.getpid())).iterdir())
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
