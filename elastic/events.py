@@ -41,6 +41,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "ckpt.save": "a rank's checkpoint save ended: step, ok, url, blocking_s, durable_s "
         "(error and last_good when it failed)",
         "ckpt.load": "a rank loaded a checkpoint: step, url, seconds, world_size",
+        "ckpt.init": "a job with no state of its own started from a foreign (plain DCP) "
+        "checkpoint: url, seconds, rank, missing (what it did not hold)",
         "train.step": "rank 0 completed a step: step, loss, lr, samples_per_s, world_size, epoch "
         "(see completed_steps for the steps a dead rank 0 could not report)",
         "train.samples": "the sample indices a rank trains on in a step, recorded before the "
@@ -121,19 +123,28 @@ def read(path: str | os.PathLike[str], kind: str | None = None) -> list[dict[str
     return events
 
 
+RESUMED = ("ckpt.load", "recovery.inplace")  # a group went on from a state at ``step``
+
+
 def completed_steps(log: Iterable[Mapping[str, Any]]) -> set[int]:
     """The steps that ran, as an event log shows them: those rank 0 reported
-    (``train.step``) and those some rank resumed from (``ckpt.load``).
+    (``train.step``) and those some rank went on from (``ckpt.load``, or
+    ``recovery.inplace``: the group re-formed in place with that step's state).
 
     A state at step N exists only if step N ran. The second source matters when rank 0
     dies right after its group agreed on step N: the survivors complete N and hold it in
-    memory, the next world resumes from it, and rank 0 never reported it.
+    memory, the next world goes on from it, and rank 0 never reported it.
     """
+    kinds = ("train.step", *RESUMED)
     return {
-        int(e["step"])
-        for e in log
-        if e.get("kind") in ("train.step", "ckpt.load") and isinstance(e.get("step"), int)
+        int(e["step"]) for e in log if e.get("kind") in kinds and isinstance(e.get("step"), int)
     }
+
+
+def resumptions(log: Iterable[Mapping[str, Any]], after: float) -> list[Mapping[str, Any]]:
+    """Where each group went on after ``after`` (unix time): every ``ckpt.load`` (a
+    restart, or a joiner's state) and ``recovery.inplace`` (survivors in place), in order."""
+    return [e for e in log if e.get("kind") in RESUMED and float(e.get("ts", 0)) > after]
 
 
 class Tail:
@@ -223,4 +234,4 @@ class Tail:
         return event
 
 
-__all__ = ["KINDS", "Tail", "completed_steps", "emit", "read"]
+__all__ = ["KINDS", "RESUMED", "Tail", "completed_steps", "emit", "read", "resumptions"]

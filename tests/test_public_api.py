@@ -42,6 +42,7 @@ RUN_ARGS = [
     "snapshot_dir",
     "global_batch_size",
     "checkpoint",
+    "init_from",
 ]
 
 

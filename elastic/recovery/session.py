@@ -88,6 +88,10 @@ class Run:
         checkpoint: every checkpoint setting (an
             :class:`elastic.training.config.CheckpointConfig`) in place of
             ``checkpoint_url``/``checkpoint_every``/``keep_last``.
+        init_from: a checkpoint that plain ``torch.distributed.checkpoint.save`` wrote
+            (torchtitan, an earlier run of yours): a job with no state of its own yet
+            starts from its model and optimizer (what it lacks, e.g. a data position, is
+            logged and starts fresh). Default: ``checkpoint.init_from``.
 
     In-place re-forms: when the script formed its group with
     :func:`elastic.init_process_group` under our agent, a change of membership re-forms the
@@ -110,6 +114,7 @@ class Run:
         snapshot_dir: str = DEFAULT_DIR,
         global_batch_size: int | None = None,
         checkpoint: Any = None,
+        init_from: str | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.sampler = _exact(sampler)
@@ -136,6 +141,7 @@ class Run:
         self._round = joined.round if joined is not None else _round_of(self._fence)
         self._checkpoints = None
         self._ckpt_cfg: Any = checkpoint if checkpoint is None or checkpoint.enabled else None
+        self._init_from = init_from or getattr(checkpoint, "init_from", None)
         if checkpoint is not None:
             self.checkpoint_every = checkpoint.interval
         elif checkpoint_url is not None:
@@ -411,6 +417,8 @@ class Run:
             self._load_storage()
         elif plan.source == "memory":
             self._load_memory(plan)
+        elif plan.source == "fresh" and self._init_from:
+            self._start_from(self._init_from)
         elif plan.source == "fresh" and self._member is not None:
             self._broadcast_model()  # DDP's own broadcast ran in a group of one
         self._round_of_state = self._round
@@ -436,6 +444,26 @@ class Run:
             held=held[0] if held else None,
             persisted=plan.persisted,
         )
+
+    def _start_from(self, url: str) -> None:
+        """Load a foreign checkpoint's model and optimizer (every rank reads it)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from elastic.checkpoint import init_from
+
+        started = time.perf_counter()
+        state = self._persist_state()
+        group = self._checkpoints.group if self._checkpoints is not None else None
+        missing = init_from(url, state, group)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.resumed_from = "foreign"
+        seconds = round(time.perf_counter() - started, 4)
+        events.emit("ckpt.init", url=url, seconds=seconds, rank=self.rank, missing=missing[:20])
 
     def _broadcast_model(self) -> None:
         module = getattr(self.model, "module", self.model)
@@ -626,9 +654,11 @@ class Run:
         now = time.perf_counter()
         seconds, self._last_step_at = now - self._last_step_at, now
         self._jit.boundary(self.step)
-        stop = self._agree_stop()
-        if self.rank == 0:
-            self._report(seconds)
+        try:
+            stop = self._agree_stop()
+        finally:  # the step is complete even when its agreement failed (a peer was lost)
+            if self.rank == 0:
+                self._report(seconds)
         if (
             self._checkpoints is not None
             and self.step % self.checkpoint_every == 0
@@ -670,6 +700,7 @@ class Run:
     def _agree_stop(self) -> bool:
         """Whether the group stops after this step; also agrees whether that stop needs a
         persisted checkpoint (any rank's vote, see :meth:`_persist_vote`)."""
+        self.loss = None  # until the group agreed on it
         if self._member is not None:
             return self._agree_in_place()
         flags = torch.tensor([int(self._stop), int(self._persist_vote())], dtype=torch.float64)

@@ -163,11 +163,19 @@ class CheckpointConfig(_Section):
     max_failures: int = Field(3, ge=1, description="consecutive failed saves that stop the job")
     verify: Literal["full", "size"] = "full"
     enabled: bool = True
+    init_from: str | None = Field(
+        None, description="a plain DCP checkpoint (torchtitan, dcp.save) a new job starts from"
+    )
 
     @field_validator("url")
     @classmethod
     def _valid_url(cls, url: str) -> str:
         return validate_url(url)
+
+    @field_validator("init_from")
+    @classmethod
+    def _valid_init_from(cls, url: str | None) -> str | None:
+        return None if url is None else validate_url(url)
 
 
 class DistributedConfig(_Section):

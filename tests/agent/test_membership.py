@@ -44,7 +44,7 @@ def test_join_then_planned_leave_lose_no_steps(job: Job) -> None:
     c = job.start("c", max_restarts=0)
     after_join = first_step_after(job, joined_at, 3)
     assert after_join["step"] >= before + 1
-    loads = [e for e in job.events("ckpt.load") if e["ts"] > joined_at]
+    loads = events.resumptions(job.events(), joined_at)
     assert loads and min(e["step"] for e in loads) >= before, "a join must not roll back"
 
     wait_until(lambda: job.last_step() >= after_join["step"] + 5, 120, "5 steps at world 3")
@@ -53,7 +53,7 @@ def test_join_then_planned_leave_lose_no_steps(job: Job) -> None:
     b.kill(signal.SIGTERM)
     assert b.wait(60) == 0, job.logs()
     after_leave = first_step_after(job, left_at, 2)
-    loads = [e for e in job.events("ckpt.load") if e["ts"] > left_at]
+    loads = events.resumptions(job.events(), left_at)
     assert loads and min(e["step"] for e in loads) >= before, "a planned leave must not roll back"
     assert job.events("node.leave"), "the leaving node must leave the rendezvous itself"
 

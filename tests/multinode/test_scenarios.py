@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from elastic import env
+from elastic import env, events
 from elastic.etcd.server import EtcdServer
 from elastic.harness.faults import Net
 from elastic.procs import descendants, kill
@@ -172,7 +172,7 @@ def test_planned_leave(job: Job, net: Net, reference: dict[str, Any]) -> None:
     first_step_after(job, left_at, 2)
     seen |= processes_under(job)
     assert job.events("node.leave"), "The leaving node must leave the rendezvous itself."
-    loads = [e for e in job.events("ckpt.load") if e["ts"] > left_at]
+    loads = events.resumptions(job.events(), left_at)
     assert loads and min(e["step"] for e in loads) >= before, "A planned leave rolled back."
     assert_job_done(job, [a, c], reference, seen)
     assert job.cleanup() == [], "No worker may outlive its agent."

@@ -1,9 +1,9 @@
-"""Our built-in CNN worker under elastic-agents recovers from memory too.
+"""Our built-in CNN worker under elastic-agents: in place, from memory, from a peer.
 
-A node is killed with -9: the survivor resumes from its node's snapshot at the
-newest completed step (no rollback to the last checkpoint); a joiner receives the
-state from a peer; the job still trains each sample once and ends with the model of
-a fault-free run.
+A node is killed with -9: the survivor re-forms in place, in the same process, with its
+live state at the newest completed step (no rollback to the last checkpoint); a joiner
+receives the state from a peer while the survivor keeps its own; the job still trains
+each sample once and ends with the model of a fault-free run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_worker_recovers_from_memory_then_peer(tmp_path, etcd: EtcdServer, run_id: str) -> None:
-    job = Job(tmp_path, etcd.endpoint, run_id, max_steps=60)
+    job = Job(tmp_path, etcd.endpoint, run_id, max_steps=90)
     try:
         job.start("a")
         job.start("b")
@@ -31,15 +31,17 @@ def test_worker_recovers_from_memory_then_peer(tmp_path, etcd: EtcdServer, run_i
         before = job.last_step()
         killed_at = time.time()
         job.kill_node("b")
-        loads = wait_until(
-            lambda: [e for e in job.events("ckpt.load") if e["ts"] > killed_at],
+        survivor = {e["pid"] for e in job.events("train.step")}
+        reformed = wait_until(
+            lambda: [e for e in job.events("recovery.inplace") if e["ts"] > killed_at],
             180,
-            "a resume after the kill",
+            "an in-place re-form after the kill",
         )
-        assert loads[0].get("source") == "memory", loads
-        assert loads[0]["step"] >= before, f"rolled back: completed {before}, resumed {loads}"
+        assert reformed[0]["state"] == "live" and reformed[0]["pid"] in survivor, reformed
+        assert reformed[0]["step"] >= before, f"rolled back: completed {before}, {reformed}"
+        assert not [e for e in job.events("ckpt.load") if e["ts"] > killed_at], "it reloaded"
 
-        wait_until(lambda: job.first_step_after(loads[0]["ts"], 1), 120, "a step at world 1")
+        wait_until(lambda: job.first_step_after(reformed[0]["ts"], 1), 120, "a step at world 1")
         joined_at = time.time()
         job.start("c")
         pair = wait_until(
