@@ -250,10 +250,9 @@ def remove_stale(
             skipped.append(name)
     if skipped:
         logger.warning(
-            "Left %d entries in %s that are not this user's files to remove (%s).",
-            len(skipped),
+            "Left these entries in %s, which are not this user's files to remove: %s.",
             directory,
-            ", ".join(sorted(skipped)[:5]),
+            ", ".join(sorted(skipped)[:5]) + (" ..." if len(skipped) > 5 else ""),
         )
     return removed
 

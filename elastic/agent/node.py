@@ -365,13 +365,13 @@ class NodeAgent(LocalElasticAgent):
             nodelocal.remove_owned(os.getpid())  # snapshots, channels, marker
 
 
-def _prepare_node() -> None:
+def _prepare_node(base: str = nodelocal.DEFAULT_BASE) -> None:
     """Remove what agents killed with -9 on this node left and make this agent's private
     directory. Never raises: a node-local problem must not stop the agent from starting."""
-    snapshot.remove_orphans()
-    channel.remove_orphans()
+    snapshot.remove_orphans(base)
+    channel.remove_orphans(base)
     try:
-        nodelocal.directory(os.getpid())
+        nodelocal.directory(os.getpid(), base)
     except OSError as exc:  # the workers refuse their snapshots with the same sentence
         logger.warning("%s", exc)
 
