@@ -157,7 +157,7 @@ def _worker_main(model: str, url: Path, out: IO[str], signed: bool) -> None:
     """Serve ``save`` lines: one async save of ``model``'s state each, timings as JSON."""
     import elastic
     from elastic.checkpoint import CheckpointManager
-    from elastic.training.config import CheckpointConfig
+    from elastic.checkpoint.config import CheckpointConfig
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     state = _state(model)

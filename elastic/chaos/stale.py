@@ -75,8 +75,8 @@ def _save(fence: RoundFence, url: str, run_id: str, step: int, out: dict[str, An
     import torch
 
     from elastic import secret as signing
+    from elastic.checkpoint.config import CheckpointConfig
     from elastic.checkpoint.manager import CheckpointManager
-    from elastic.training.config import CheckpointConfig
 
     cfg = CheckpointConfig(url=url, keep_last=1, async_save=False, max_failures=10)
     manager = CheckpointManager(cfg, run_id, commit_fence=fence, secret=signing.job_secret())

@@ -52,7 +52,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import events
 from elastic import secret as signing
+from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.digest import kind_for
+from elastic.checkpoint.fence import CommitFence
 from elastic.checkpoint.layout import (
     StepInfo,
     complete_steps,
@@ -75,14 +77,12 @@ from elastic.checkpoint.storage import (
     probe_writable,
 )
 from elastic.errors import CheckpointError, EtcdConnectionError
-from elastic.training.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
 # The commit fence: called with the step, raises to refuse. A richer fence (see
 # elastic.rendezvous.fence.RoundFence) may also offer ``commit(step, record)``,
 # ``check()``, ``records()``, ``forget(steps)`` and the ``round``/``job`` attributes.
-CommitFence = Callable[[int], None]
 _AUTO: Any = object()
 _WRITER_NICENESS = 10
 FENCE_TIMEOUT_S = 3.0  # how long a save waits for etcd to answer one fence call
@@ -499,38 +499,31 @@ class _FenceGate:
 
 
 class _Fence:
-    """A uniform view of the optional commit fence (a plain callable or a RoundFence);
-    the calls a save makes are bounded by the manager's :class:`_FenceGate`."""
+    """The optional commit fence (None: nothing fences this run); the calls a save makes
+    are bounded by the manager's :class:`_FenceGate`."""
 
-    def __init__(self, fence: Any, gate: _FenceGate) -> None:
+    def __init__(self, fence: CommitFence | None, gate: _FenceGate) -> None:
         self._fence = fence
         self._gate = gate
-        self.round: int | None = getattr(fence, "round", None)
-        self.job: str | None = getattr(fence, "job", None)
+        self.round: int | None = fence.round if fence is not None else None
+        self.job: str | None = fence.job if fence is not None else None
 
     def commit(self, step: int, record: dict[str, Any]) -> None:
         """Record the commit of ``step``; raises to refuse."""
-        if self._fence is None:
-            return
-        commit = getattr(self._fence, "commit", None)
-        if commit is not None:
-            self._gate.call(commit, step, record)
-        else:
-            self._gate.call(self._fence, step)
+        if self._fence is not None:
+            self._gate.call(self._fence.commit, step, record)
 
     def check(self) -> None:
         """Raise if this writer may no longer touch the run's checkpoints."""
-        check = getattr(self._fence, "check", None)
-        if check is not None:
-            self._gate.call(check)
+        if self._fence is not None:
+            self._gate.call(self._fence.check)
 
     def records(self) -> dict[int, dict[str, Any]]:
         """The commit records (step -> record), or ``{}`` when there are none to consult."""
-        records = getattr(self._fence, "records", None)
-        if records is None:
+        if self._fence is None:
             return {}
         try:  # not bounded: a load waits for the records (the stale-writer check) as long
-            return dict(records())  # as the etcd client rides out an outage
+            return dict(self._fence.records())  # as the etcd client rides out an outage
         except Exception as exc:  # etcd unreachable: the markers alone still decide
             logger.warning(
                 "Cannot read the checkpoint commit records (%s); choosing by markers alone.", exc
@@ -539,9 +532,8 @@ class _Fence:
 
     def forget(self, steps: list[int]) -> None:
         """Drop the commit records of purged steps."""
-        forget = getattr(self._fence, "forget", None)
-        if forget is not None and steps:
-            self._gate.call(forget, steps)
+        if self._fence is not None and steps:
+            self._gate.call(self._fence.forget, steps)
 
 
 class _Candidates:

@@ -242,7 +242,9 @@ def fetch(
 def persisted_step(url: str, run_id: str, fence: Any = None) -> int:
     """The newest committed checkpoint's step: etcd's commit records when fenced, else
     a listing of the storage; -1 when there is none (or it cannot be listed)."""
-    if fence is not None and hasattr(fence, "records"):
+    from elastic.checkpoint.fence import CommitFence
+
+    if isinstance(fence, CommitFence):
         try:
             return max(fence.records(), default=-1)
         except Exception as exc:  # etcd unreachable: list the storage instead

@@ -145,7 +145,7 @@ class Run:
         if checkpoint is not None:
             self.checkpoint_every = checkpoint.interval
         elif checkpoint_url is not None:
-            from elastic.training.config import CheckpointConfig
+            from elastic.checkpoint.config import CheckpointConfig
 
             self._ckpt_cfg = CheckpointConfig(
                 url=str(checkpoint_url), interval=checkpoint_every, keep_last=keep_last
@@ -856,7 +856,7 @@ def _fence_from_env(value: str | None = None) -> Any:
 
 
 def _round_of(fence: Any) -> int:
-    return int(getattr(fence, "round", 0) or 0)
+    return int(fence.round) if fence is not None else 0
 
 
 def _rng_state() -> dict[str, Any]:

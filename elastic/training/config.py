@@ -25,10 +25,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from elastic import env, runid
+from elastic.checkpoint.config import CheckpointConfig, validate_url
 from elastic.errors import ConfigError
 
 _SECTION_ENV = re.compile(rf"^{env.CONFIG_PREFIX}([A-Z0-9_]+?)__([A-Z0-9_]+)$")
-_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 TINY_MODELS = ("tiny_cnn",)
 
 
@@ -153,31 +153,6 @@ class OptimizerConfig(_Section):
         return self
 
 
-class CheckpointConfig(_Section):
-    """Where and how often checkpoints are written."""
-
-    url: str = "runs/checkpoints"
-    interval: int = Field(50, ge=1, description="save every N steps")
-    keep_last: int = Field(3, ge=1)
-    async_save: bool = True
-    max_failures: int = Field(3, ge=1, description="consecutive failed saves that stop the job")
-    verify: Literal["full", "size"] = "full"
-    enabled: bool = True
-    init_from: str | None = Field(
-        None, description="a plain DCP checkpoint (torchtitan, dcp.save) a new job starts from"
-    )
-
-    @field_validator("url")
-    @classmethod
-    def _valid_url(cls, url: str) -> str:
-        return validate_url(url)
-
-    @field_validator("init_from")
-    @classmethod
-    def _valid_init_from(cls, url: str | None) -> str | None:
-        return None if url is None else validate_url(url)
-
-
 class DistributedConfig(_Section):
     """Process-group settings."""
 
@@ -217,27 +192,6 @@ def checkpoint_run_id(cfg: Config, environ: Mapping[str, str] | None = None) -> 
     chosen = cfg.job.run_id
     explicit = "run_id" in cfg.job.model_fields_set and chosen != DEFAULT_RUN_ID
     return runid.resolve(chosen if explicit else None, environ, default=chosen)
-
-
-def validate_url(url: str) -> str:
-    """Return ``url`` if fsspec can address it, else raise ``ValueError``."""
-    import fsspec
-
-    if not url.strip():
-        raise ValueError("the checkpoint URL is empty; give a path or a URL like s3://bucket/dir")
-    scheme = _URL_SCHEME.match(url)
-    if "://" not in url and scheme and len(scheme.group(1)) > 1:
-        raise ValueError(f"malformed URL; did you mean {scheme.group(1)}://...?")
-    if "://" in url:
-        protocol = url.split("://", 1)[0]
-        known = set(fsspec.available_protocols()) | set(fsspec.registry)
-        if protocol not in known:
-            raise ValueError(
-                f"unknown storage protocol {protocol!r}; fsspec knows e.g. file, s3, gcs, memory"
-            )
-        if not url.split("://", 1)[1].strip("/"):
-            raise ValueError("the URL has no path after the protocol")
-    return url
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic.checkpoint import CheckpointManager, StepInfo, find_latest_complete
-from elastic.training.config import CheckpointConfig
+from elastic.checkpoint.config import CheckpointConfig
 
 RUN = "r"
 SUBPROCESS_TIMEOUT_S = 120

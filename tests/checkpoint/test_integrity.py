@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from elastic.checkpoint import CheckpointManager
-from elastic.training.config import CheckpointConfig
+from elastic.checkpoint.config import CheckpointConfig
 
 from .conftest import RUN, make_state, save_with_project, zeros_like
 from .tamper import restore_crc, tensor_offset

@@ -16,11 +16,11 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from elastic.checkpoint import COMMIT_MARKER, CheckpointManager, StepInfo
+from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.foreign import init_from
 from elastic.checkpoint.record import frame
 from elastic.checkpoint.storage import METADATA, RAW_FORMAT
 from elastic.errors import CheckpointError
-from elastic.training.config import CheckpointConfig
 
 from .conftest import (
     RUN,

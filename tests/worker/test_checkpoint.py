@@ -13,7 +13,9 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,13 +28,13 @@ from elastic.checkpoint import (
     list_steps,
     step_url,
 )
+from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.manager import FENCE_TIMEOUT_S
 from elastic.errors import CheckpointError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.fence import FenceSpec, RoundFence, publish_round
 from elastic.rendezvous.keys import RunKeys
-from elastic.training.config import CheckpointConfig
 
 from .flaky_fs import FAIL_ENV, register
 
@@ -137,11 +139,26 @@ def test_refusing_fence_blocks_the_commit(tmp_path: Path) -> None:
     manager.save(1, _state(1.0), block=True)
     refuse = {"on": True}
 
-    def fence(step: int) -> None:
-        if refuse["on"]:
-            raise RuntimeError("rendezvous round 3 is no longer current")
+    class Fence:  # a CommitFence that refuses commits while refuse["on"]
+        round, job = 3, RUN
+        kept: dict[int, dict[str, Any]] = {}
 
-    manager.commit_fence = fence
+        def commit(self, step: int, record: dict[str, Any]) -> None:
+            if refuse["on"]:
+                raise RuntimeError("rendezvous round 3 is no longer current")
+            self.kept[step] = record
+
+        def check(self) -> None:
+            pass
+
+        def records(self) -> dict[int, dict[str, Any]]:
+            return dict(self.kept)
+
+        def forget(self, steps: Iterable[int]) -> None:
+            for step in steps:
+                self.kept.pop(step, None)
+
+    manager.commit_fence = Fence()
     outcome = manager.save(2, _state(2.0), block=True)
     assert not outcome.ok and "no longer current" in outcome.error
     assert find_latest_complete(url, RUN, warn=False).step == 1

@@ -31,9 +31,10 @@ from elastic.checkpoint import (
     list_steps,
     step_url,
 )
+from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.layout import purge
 from elastic.errors import CheckpointError, ConfigError
-from elastic.training.config import CheckpointConfig, checkpoint_run_id, load_config
+from elastic.training.config import checkpoint_run_id, load_config
 
 from .flaky_fs import FAIL_ENV, register
 
@@ -85,9 +86,6 @@ class RecordingFence:
         self.current = round_
         self.store: dict[int, dict[str, Any]] = {}
         self.refuse_checks = False
-
-    def __call__(self, step: int) -> None:
-        self.commit(step, {})
 
     def _ensure(self) -> None:
         if self.current != self.round or self.refuse_checks:
@@ -143,10 +141,11 @@ def test_refused_writer_never_touches_a_committed_step(url: str, tmp_path: Path)
     _commit(_manager(url), 40, 50)
     before = _snapshot(tmp_path / "ckpt")
 
-    def stale_fence(step: int) -> None:  # refuses only at commit, after writing
-        raise CheckpointError("rendezvous round 7 is no longer current")
+    class RefusesAtCommit(RecordingFence):  # refuses only at commit, after writing
+        def commit(self, step: int, record: dict[str, Any]) -> None:
+            raise CheckpointError("rendezvous round 7 is no longer current")
 
-    stale = _manager(url, commit_fence=stale_fence)
+    stale = _manager(url, commit_fence=RefusesAtCommit(round_=7))
     outcome = stale.save(50, _state(99.0), block=True)
     assert outcome is not None and not outcome.ok
     assert find_latest_complete(url, RUN).step == 50
