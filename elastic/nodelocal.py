@@ -90,22 +90,26 @@ def _mkdir(path: Path) -> bool:
     return True
 
 
-def _roots(base: str) -> list[Path]:
-    """This uid's roots under ``base``: the canonical one first, then the fall-backs."""
-    uid = os.geteuid()
-    found = [Path(base) / f"elastic-{uid}"]
-    with contextlib.suppress(OSError):
-        found += [
-            Path(base) / name
-            for name in sorted(os.listdir(base))
-            if name.startswith(f"elastic-{uid}-") and name[len(f"elastic-{uid}-") :].isalnum()
-        ]
-    return [r for r in found if _private(r)]
+def _canonical(base: str) -> Path:
+    return Path(base) / f"elastic-{os.geteuid()}"
+
+
+def _fallbacks(base: str) -> list[Path]:
+    """This uid's other roots under ``base`` (made when another user held the canonical name)."""
+    shape = re.compile(rf"^elastic-{os.geteuid()}-[a-z0-9_]+$")  # tempfile.mkdtemp's names
+    try:
+        names = sorted(n for n in os.listdir(base) if shape.match(n))
+    except OSError:
+        return []
+    return [p for p in (Path(base) / n for n in names) if _private(p)]
 
 
 def find(owner: int, base: str = DEFAULT_BASE) -> Path | None:
     """Agent ``owner``'s directory if it exists (verified private), else None."""
-    for root in _roots(base):
+    canonical = _canonical(base)
+    if _private(canonical / str(owner)) and _private(canonical):
+        return canonical / str(owner)
+    for root in _fallbacks(base):
         if _private(root / str(owner)):
             return root / str(owner)
     return None
@@ -120,11 +124,11 @@ def ensure(owner: int, base: str = DEFAULT_BASE) -> tuple[Path, bool]:
     found = find(owner, base)
     if found is not None:
         return found, False
-    canonical = Path(base) / f"elastic-{os.geteuid()}"
+    canonical = _canonical(base)
     _mkdir(canonical)
-    roots = _roots(base)
+    roots = [canonical] if _private(canonical) else _fallbacks(base)
     if not roots:
-        root = Path(tempfile.mkdtemp(prefix=f"elastic-{os.geteuid()}-", dir=base))
+        root = Path(tempfile.mkdtemp(prefix=f"{canonical.name}-", dir=base))
         logger.warning(
             "%s is not a private directory of this uid (another user made it?); the node-local "
             "files live in %s instead.",
@@ -209,7 +213,8 @@ def remove_owned(owner: int, base: str = DEFAULT_BASE) -> bool:
 def remove_orphans(base: str = DEFAULT_BASE) -> list[Path]:
     """Remove the directories of this uid's agents that are no longer running. Never raises."""
     removed: list[Path] = []
-    for root in _roots(base):
+    canonical = _canonical(base)
+    for root in ([canonical] if _private(canonical) else []) + _fallbacks(base):
         with contextlib.suppress(OSError):
             for name in os.listdir(root):
                 if name.isdigit() and not procs.alive(int(name)):
