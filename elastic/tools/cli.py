@@ -1,5 +1,5 @@
-"""The ``elastic`` command: ``elastic demo``, ``status``, ``timeline``, ``dashboard`` and
-``chaos``."""
+"""The ``elastic`` command: ``elastic demo``, ``status``, ``timeline``, ``dashboard``,
+``chaos`` and ``checkpoint``."""
 
 from __future__ import annotations
 
@@ -117,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
 
     chaos = sub.add_parser("chaos", help=chaos_command.HELP, allow_abbrev=False)
     chaos_command.add_arguments(chaos)
+    from elastic.tools.checkpoint import add_parser as add_checkpoint_parser
+
+    add_checkpoint_parser(sub)
     return parser
 
 
@@ -248,6 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _dashboard(args)
         if args.command == "chaos":
             return chaos_command.command(args)
+        if args.command == "checkpoint":
+            from elastic.tools.checkpoint import command as checkpoint_command
+
+            return checkpoint_command(args)
         return _status(args)
     except ConfigError as exc:
         print(f"elastic: error: {exc}", file=sys.stderr)
