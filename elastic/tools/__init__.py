@@ -1,3 +1,3 @@
-"""The ``elastic`` command: ``status`` and ``demo``, and the local-cluster driver behind them."""
+"""The ``elastic`` command: the users' commands (the harness is :mod:`elastic.harness`)."""
 
 __all__: list[str] = []
