@@ -164,6 +164,16 @@ def test_a_state_that_grows_remaps_the_file(tmp_path: Path) -> None:
         assert head.step == step and decode(meta, data)["x"].numel() == n
 
 
+def test_buffers_are_allocated_in_full_before_the_first_snapshot(tmp_path: Path) -> None:
+    """Allocated, not sparse: a full /dev/shm fails here, never as a SIGBUS mid-copy."""
+    store = SnapshotStore("run-1", 0, owner=1, directory=str(tmp_path))
+    Snapshotter(store).reserve({"w": torch.zeros(1_000_000)})
+    for f in store.files.values():
+        st = os.stat(f.path)
+        assert st.st_size >= 4_000_000 + 4096 and st.st_blocks * 512 >= st.st_size
+    assert store.newest() is None  # allocated, but nothing to resume from
+
+
 def test_unsupported_values_are_refused_with_a_sentence() -> None:
     with pytest.raises(RecoveryError, match="Cannot snapshot a value of type object"):
         to_json({"x": object()})
