@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from elastic import env, nodelocal, reform
+from elastic.inplace import channel
+from elastic.inplace.channel import Assignment, Registration
 from elastic.recovery.codec import RecoveryError
 from elastic.recovery.snapshot import SnapshotStore
 from tests.trust.conftest import DROP_ROOT, NOBODY, as_nobody, python, worker
@@ -131,6 +133,28 @@ def test_a_planted_reform_marker_does_not_skip_the_checkpoint(
         denied = as_nobody(f"touch {folder}/reform-too")
         assert denied.returncode != 0 and "Permission denied" in denied.stderr
     assert not target.exists() and not reform.stopping_for_reform(str(shared))
+
+
+def test_planted_channel_files_are_neither_read_nor_followed(tmp_path: Path, shared: Path) -> None:
+    owner = os.getpid()
+    victim = tmp_path / "precious"
+    victim.write_text("precious")
+    forged = '{"round": 99, "rank": 0, "world_size": 1, "abort": true}'
+    theirs = shared / ROOT_DIR / str(owner)
+    done = as_nobody(
+        f"echo '{forged}' > {shared}/elastic-channel-{owner}-0.agent && "
+        f"ln -s {victim} {shared}/elastic-channel-{owner}-0.worker && "
+        f"mkdir -m 777 {shared / ROOT_DIR} {theirs} && echo '{forged}' > {theirs}/channel-0.agent"
+        f" && ln -s {victim} {theirs}/channel-0.worker"
+    )
+    assert done.returncode == 0, done.stderr
+    prefix = channel.prefix_for(owner, 0, str(shared))  # what the agent hands its worker
+    assert prefix.parent != theirs and channel.read_assignment(prefix) is None
+    channel.write_assignment(prefix, Assignment(1, rank=0, world_size=1))
+    channel.register(prefix, Registration(owner, 1))
+    assert channel.read_assignment(prefix) == Assignment(1, rank=0, world_size=1)
+    assert channel.read_registration(prefix) == Registration(owner, 1)
+    assert victim.read_text() == "precious"
 
 
 def _prepare(shared: Path, drop_root: bool) -> subprocess.CompletedProcess[str]:
