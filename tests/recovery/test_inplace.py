@@ -82,6 +82,7 @@ def _relative_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return (num / den) ** 0.5
 
 
+@pytest.mark.timeout(600)  # four membership changes, two reference runs, on 2 cores
 def test_user_script_reforms_in_place(cluster: LocalCluster, tmp_path: Path) -> None:
     out, ref = tmp_path / "out", tmp_path / "ref"
     reference = subprocess.run(

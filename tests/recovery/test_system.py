@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from elastic import nodelocal
 from elastic.etcd.server import EtcdServer
 from elastic.harness.cluster import AgentOptions, LocalCluster
 from tests.helpers import REPO, node_env, wait_until
 
 pytestmark = pytest.mark.slow
-SHM = Path("/dev/shm")
 
 
 @pytest.fixture
@@ -34,8 +34,8 @@ def cluster(tmp_path: Path, etcd: EtcdServer, run_id: str) -> Iterator[LocalClus
     )
     yield c
     c.close()
-    for path in SHM.glob(f"elastic-{run_id.replace('-', '_')}-*"):
-        path.unlink(missing_ok=True)  # agents killed with -9 leave theirs
+    for node in c.nodes.values():  # agents killed with -9 leave theirs
+        nodelocal.remove_owned(node.pid)
 
 
 def _worker(tmp: Path) -> list[str]:
@@ -53,7 +53,9 @@ def _resumes(c: LocalCluster, after: float, world: int) -> list[dict[str, Any]]:
 
 
 def _files_of(pid: int) -> list[Path]:
-    return [p for p in SHM.glob("elastic-*") if f"-p{pid}-" in p.name]
+    """The snapshot files of agent ``pid``'s node (in its private directory)."""
+    found = nodelocal.find(pid)
+    return sorted(found.glob("snap-*")) if found is not None else []
 
 
 def test_kill_9_then_join_recover_from_memory(cluster: LocalCluster, tmp_path: Path) -> None:
