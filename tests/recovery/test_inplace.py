@@ -14,15 +14,13 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from elastic.etcd.server import EtcdServer
-from elastic.harness.cluster import AgentOptions, LocalCluster
+from elastic.harness.cluster import LocalCluster
 from elastic.procs import descendants
 from tests.helpers import REPO, node_env
 
@@ -32,19 +30,6 @@ SAMPLES, BATCH, EPOCHS = 240, 12, 40
 STEPS_PER_EPOCH = SAMPLES // BATCH
 BOUND = 1e-12  # relative L2; fault-free runs at world 1 and 3 agree to 3.6e-16
 FREEZE_S = 20
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, etcd: EtcdServer, run_id: str) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path,
-        run_id,
-        etcd.endpoint,
-        options=AgentOptions(join_timeout=90, max_restarts=3, monitor_interval=0.3),
-        env=node_env(),
-    )
-    yield c
-    c.close()
 
 
 def _args(out: Path) -> list[str]:

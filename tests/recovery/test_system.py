@@ -9,33 +9,16 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from elastic import nodelocal
-from elastic.etcd.server import EtcdServer
-from elastic.harness.cluster import AgentOptions, LocalCluster
-from tests.helpers import REPO, node_env, wait_until
+from elastic.harness.cluster import LocalCluster
+from tests.helpers import REPO, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, etcd: EtcdServer, run_id: str) -> Iterator[LocalCluster]:
-    c = LocalCluster(
-        tmp_path,
-        run_id,
-        etcd.endpoint,
-        options=AgentOptions(join_timeout=90, max_restarts=3, monitor_interval=0.3),
-        env=node_env(),
-    )
-    yield c
-    c.close()
-    for node in c.nodes.values():  # agents killed with -9 leave theirs
-        nodelocal.remove_owned(node.pid)
 
 
 def _worker(tmp: Path) -> list[str]:
