@@ -43,6 +43,7 @@ from elastic.errors import RecoveryError
 from elastic.inplace import groups
 from elastic.inplace.channel import Assignment
 from elastic.inplace.member import BROKEN, READY, Member
+from elastic.procs import die_with_parent
 from elastic.recovery import exchange
 from elastic.recovery.codec import from_json, to_json
 from elastic.recovery.jit import AUTO, Every, StepSnapshots, stable_ptrs
@@ -116,6 +117,8 @@ class Run:
         checkpoint: Any = None,
         init_from: str | None = None,
     ) -> None:
+        if env.RUN_ID in os.environ:  # under an agent: never outlive it (a kill -9 of it)
+            die_with_parent()
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.sampler = _exact(sampler)
         self.run_id = runid.resolve(run_id)

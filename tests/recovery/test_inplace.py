@@ -22,7 +22,7 @@ import torch
 
 from elastic.harness.cluster import LocalCluster
 from elastic.procs import descendants
-from tests.helpers import REPO, node_env
+from tests.helpers import REPO, node_env, pid_alive, wait_until
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "inplace_user.py"
@@ -212,3 +212,16 @@ def test_failed_reform_falls_back_to_a_restart(cluster: LocalCluster, tmp_path: 
     pids = {r["pid"] for r in _records(out)}
     assert len(pids) == 4, f"expected one restarted worker, got pids {pids}"
     _check_result(cluster, out, ref, epochs)
+
+
+def test_a_user_script_dies_with_its_agent(cluster: LocalCluster, tmp_path: Path) -> None:
+    """kill -9 of the agent alone (not its worker): a script on Run does not train on without
+    it (it holds the node's snapshots and a rank in a group no agent speaks for)."""
+    out = tmp_path / "out"
+    worker = [str(SCRIPT), *_args(out), "--epochs=1000", "--step-delay=0.05"]
+    agent = cluster.start("a", worker=worker)
+    cluster.wait_for(lambda: [e for e in cluster.steps() if e["step"] >= 3], "3 steps", 240)
+    below = descendants(agent.pid)
+    assert below, "the agent must have a worker"
+    os.kill(agent.pid, signal.SIGKILL)
+    wait_until(lambda: not any(pid_alive(p) for p in below), 10, "the worker to die with it")
