@@ -95,7 +95,6 @@ from elastic.etcd.server import EtcdServer, find_etcd, start_etcd
 from elastic.rendezvous.handler import build_handler
 from elastic.rendezvous.options import RendezvousOptions
 from elastic.rendezvous.registry import create_backend as create_etcd_backend
-from elastic.rendezvous.registry import create_run
 
 RDZV_CONF: dict[str, Any] = {  # --join-timeout and --keep-alive-interval change it
     "join_timeout": 120,
@@ -253,15 +252,13 @@ def etcd_node(endpoint: str, run_id: str, n: int, pregrant: bool = False) -> Nod
     lease before the round, so the first compare-and-set is not preceded by a grant.
     """
     params = params_for("etcd-v3", endpoint, run_id, n, store_timeout=RDZV_CONF["join_timeout"])
-    backend, store, ledger = create_run(params)
+    backend, store = create_etcd_backend(params)
     client: EtcdClient = backend._client
     backend.get_state()
     if pregrant:
         backend._lease.id()
     return Node(
-        handler=build_handler(
-            store, backend, ledger, params, RendezvousOptions.from_params(params)
-        ),
+        handler=build_handler(store, backend, params, RendezvousOptions.from_params(params)),
         backend=backend,
         requests=lambda: client.requests,
         close=client.close,

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from elastic.errors import ConfigError, EtcdConnectionError
+from elastic.errors import ConfigError, ElasticError, EtcdConnectionError
 
 try:
     from etcd3 import etcdrpc
@@ -254,6 +254,10 @@ class WatchHandle:
 REQUEST_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, grpc.RpcError)
 
 
+class RequestTooLargeError(ElasticError):
+    """etcd refused a request over its ``--max-request-bytes`` limit (1.5 MiB by default)."""
+
+
 class EtcdClient:
     """A thread-safe etcd v3 client with fail-over across endpoints.
 
@@ -317,6 +321,8 @@ class EtcdClient:
                     self._ever_connected = True
                     return result
                 except grpc.RpcError as exc:
+                    if _too_large(exc):
+                        raise _too_large_error(conn.endpoint, exc) from exc
                     if not self._recoverable(conn, exc, errors):
                         raise
             self._index = (index + 1) % n
@@ -594,6 +600,22 @@ def _is_deadline(exc: grpc.RpcError) -> bool:
     )
 
 
+def _too_large(exc: grpc.RpcError) -> bool:
+    # etcd answers INVALID_ARGUMENT "request is too large" up to its gRPC receive limit
+    # (--max-request-bytes + 512 KiB) and RESOURCE_EXHAUSTED from gRPC beyond it.
+    code, details = exc.code(), exc.details() or ""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+        code == grpc.StatusCode.INVALID_ARGUMENT and "request is too large" in details
+    )
+
+
+def _too_large_error(endpoint: Endpoint, exc: grpc.RpcError) -> RequestTooLargeError:
+    return RequestTooLargeError(
+        f"etcd {endpoint} refused a request as too large ({_describe(exc)}); send less than "
+        "its --max-request-bytes limit (1.5 MiB unless etcd was started with another value)."
+    )
+
+
 def _prefix_end(key: bytes) -> bytes:
     """The range end that selects every key starting with ``key``."""
     end = bytearray(key)
@@ -700,6 +722,7 @@ __all__ = [
     "EtcdOptions",
     "KeyEvent",
     "KeyValue",
+    "RequestTooLargeError",
     "WatchHandle",
     "WatchTarget",
     "compare_absent",

@@ -35,15 +35,15 @@ from dataclasses import InitVar, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from etcd3 import etcdrpc
-
 from elastic import env
 from elastic.errors import CheckpointError, ConfigError
 from elastic.etcd.client import (
     EtcdClient,
     EtcdOptions,
     compare_absent,
+    compare_less,
     compare_value,
+    op_delete,
     op_get,
     op_put,
     parse_endpoints,
@@ -70,22 +70,12 @@ def commit_key(keys: RunKeys, step: int) -> bytes:
     return keys.root + f"commits/step-{step}".encode()
 
 
-def _compare_less(key: bytes, value: bytes) -> Any:
-    return etcdrpc.Compare(
-        key=key, result=etcdrpc.Compare.LESS, target=etcdrpc.Compare.VALUE, value=value
-    )
-
-
-def _op_delete(key: bytes) -> Any:
-    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key))
-
-
 def _advance(client: EtcdClient, key: bytes, value: bytes, *also: Any) -> bool:
     """Put ``value`` at ``key`` if it is absent or lower (and every ``also`` compare holds)."""
     put = [op_put(key, value)]
     if client.txn([compare_absent(key), *also], put, []).succeeded:
         return True
-    return bool(client.txn([_compare_less(key, value), *also], put, []).succeeded)
+    return bool(client.txn([compare_less(key, value), *also], put, []).succeeded)
 
 
 def publish_round(client: EtcdClient, keys: RunKeys, round_: int, lease: int = 0) -> None:
@@ -246,7 +236,7 @@ class RoundFence:
 
     def forget(self, steps: Iterable[int]) -> None:
         """Delete the commit records of purged steps (only while this round is current)."""
-        deletes = [_op_delete(commit_key(self._keys, s)) for s in steps]
+        deletes = [op_delete(commit_key(self._keys, s)) for s in steps]
         if deletes:
             self._fenced("forget purged steps", deletes)
 

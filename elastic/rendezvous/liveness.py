@@ -1,6 +1,6 @@
 """Certain evidence that a node is dead: its agent's probe port refuses connections.
 
-torch judges a node dead when its heartbeats in the shared state stop for
+A rendezvous judges a node dead when its heartbeats (keep-alives) stop for
 ``keep_alive_interval * keep_alive_max_attempt`` (3 s with our tuned settings):
 most of the time from a ``kill -9`` to the next round. That wait is right when
 the evidence is uncertain (a cut link, a paused machine: the node may be alive),
@@ -16,13 +16,6 @@ connects to each peer whose heartbeat is late:
 
 Only a refusal acts, so a silent partition is never mistaken for a death (a
 firewall that actively rejects the port after it once accepted would be).
-
-The same evidence guards the other way: a node whose heartbeats are late only
-because its machine is overloaded (or etcd's disk is slow) still accepts on its
-probe port, so it is kept for up to :data:`SPARE_FACTOR` heartbeat windows
-instead of being dropped from a healthy job (seen with 1 s x 3 on a loaded
-2-core machine). A node that is hung but still listening (SIGSTOP) is dropped
-when that longer window ends.
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ from collections.abc import Callable, Collection
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 0.25
-SPARE_FACTOR = 3  # a late node that still accepts is kept for this many heartbeat windows
 _RETRY_UNKNOWN_S = 1.0  # a node that did not answer is probed again after this long
 _REMEMBER_ALIVE_S = 0.5  # an accepted probe stands for this long
 _MAX_PROBES = 8  # probes per call at most: a sync must not block on many silent peers
@@ -118,7 +110,7 @@ def _bind_everywhere() -> socket.socket:
 
 
 class DeathDetector:
-    """Probes peers; answers which are certainly dead and which are certainly listening.
+    """Probes peers; answers which are certainly dead.
 
     A refusal counts as death only from a port this detector has seen accept before
     (:meth:`verify` after each round) and that is still the one the node publishes:
@@ -154,10 +146,6 @@ class DeathDetector:
         """
         answers = self._answers(nodes, recheck)
         return [name for name, answer in answers.items() if answer is False]
-
-    def alive(self, nodes: list[tuple[str, str]]) -> list[str]:
-        """Of ``(name, host)`` pairs, the names whose probe port accepted a connection."""
-        return [name for name, answer in self._answers(nodes).items() if answer is True]
 
     def _answers(
         self, nodes: list[tuple[str, str]], recheck: Collection[str] = ()
@@ -203,4 +191,4 @@ class DeathDetector:
             logger.debug("Could not read the probe ports: %s", exc)
 
 
-__all__ = ["PROBE_TIMEOUT_S", "SPARE_FACTOR", "DeathDetector", "ProbeListener", "probe"]
+__all__ = ["PROBE_TIMEOUT_S", "DeathDetector", "ProbeListener", "probe"]

@@ -9,10 +9,10 @@ Options (``--rdzv-conf key=value,...``): see :mod:`elastic.rendezvous.options`.
 
 With ``algorithm=announce`` (the default) the handler is :mod:`elastic.rendezvous.announce`
 (one key per node; rank 0's agent hosts each round's bootstrap store,
-:mod:`elastic.rendezvous.bootstrap`). With ``single-key`` the handler
-(:mod:`elastic.rendezvous.handler`) is torch's DynamicRendezvousHandler
-on our storage (:mod:`~elastic.rendezvous.backend`, :mod:`~elastic.rendezvous.store`)
-and our run ledger (:mod:`~elastic.rendezvous.ledger`), all on one etcd client.
+:mod:`elastic.rendezvous.bootstrap`). With ``single-key`` it is torch's stock
+DynamicRendezvousHandler (:mod:`elastic.rendezvous.handler`) on our storage
+(:mod:`~elastic.rendezvous.backend`, :mod:`~elastic.rendezvous.store`), both on one etcd
+client and lease.
 
 For ``single-key``, torch's agent-hosted shared TCPStore is turned off
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) unless the user set that variable: in torch
@@ -36,7 +36,6 @@ from elastic import env
 if TYPE_CHECKING:
     from elastic.etcd.client import EtcdClient
     from elastic.rendezvous.backend import EtcdRendezvousBackend
-    from elastic.rendezvous.ledger import RunLedger
     from elastic.rendezvous.options import RendezvousOptions
     from elastic.rendezvous.store import EtcdStore
 
@@ -48,17 +47,16 @@ logger = logging.getLogger(__name__)
 NAME = "etcd-v3"
 
 
-def create_run(
+def create_backend(
     params: RendezvousParameters,
     client: EtcdClient | None = None,
     options: RendezvousOptions | None = None,
-) -> tuple[EtcdRendezvousBackend, EtcdStore, RunLedger]:
-    """The run's storage on one etcd client and lease: backend, store and ledger."""
+) -> tuple[EtcdRendezvousBackend, EtcdStore]:
+    """The run's ``(backend, store)`` pair, sharing one etcd client and lease."""
     from elastic.etcd.client import EtcdClient
     from elastic.rendezvous.backend import EtcdRendezvousBackend
     from elastic.rendezvous.keys import RunKeys
     from elastic.rendezvous.lease import RunLease
-    from elastic.rendezvous.ledger import RunLedger
     from elastic.rendezvous.options import RendezvousOptions
     from elastic.rendezvous.store import EtcdStore
 
@@ -68,8 +66,7 @@ def create_run(
     lease = RunLease(client, options.ttl)
     lease.id()  # grant it now, not inside the first compare-and-set of a round
     store = EtcdStore(client, keys, lease, timeout=timedelta(seconds=options.store_timeout))
-    backend = EtcdRendezvousBackend(client, keys, lease, state_secret())
-    return backend, store, RunLedger(client, keys, lease)
+    return EtcdRendezvousBackend(client, keys, lease, state_secret()), store
 
 
 def state_secret() -> bytes | None:
@@ -90,14 +87,6 @@ def state_secret() -> bytes | None:
     return None
 
 
-def create_backend(
-    params: RendezvousParameters, client: EtcdClient | None = None
-) -> tuple[EtcdRendezvousBackend, EtcdStore]:
-    """Create the ``(backend, store)`` pair for a run, sharing one client and lease."""
-    backend, store, _ = create_run(params, client)
-    return backend, store
-
-
 def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd-v3`` handler (the creator registered with torch)."""
     from elastic.rendezvous.handler import build_handler
@@ -114,8 +103,8 @@ def create_rdzv_handler(params: RendezvousParameters) -> RendezvousHandler:
             "%s=0: the shared agent TCPStore is on; nodes joining a running job may hang.",
             env.TORCH_DISABLE_SHARE_RDZV_TCP_STORE,
         )
-    backend, store, ledger = create_run(params, options=options)  # fails now if unreachable
-    return build_handler(store, backend, ledger, params, options)
+    backend, store = create_backend(params, options=options)  # fails now if unreachable
+    return build_handler(store, backend, params, options)
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
@@ -127,7 +116,6 @@ __all__ = [
     "NAME",
     "create_backend",
     "create_rdzv_handler",
-    "create_run",
     "handler_factory",
     "state_secret",
 ]

@@ -29,12 +29,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
-import grpc
 import torch.distributed as dist
 
 from elastic.errors import StoreError
 from elastic.etcd.client import (
     EtcdClient,
+    RequestTooLargeError,
     compare_absent,
     compare_mod,
     compare_value,
@@ -177,9 +177,7 @@ class EtcdStore(dist.Store):
         """Run ``write``; turn etcd's refusal of an oversized request into a StoreError."""
         try:
             return write()
-        except grpc.RpcError as exc:
-            if not _too_large(exc):
-                raise
+        except RequestTooLargeError as exc:
             raise StoreError(
                 f"The etcd store cannot hold the {len(value):,}-byte value of key '{key}' because "
                 "etcd refuses requests over its --max-request-bytes limit (1.5 MiB = 1,572,864 "
@@ -201,15 +199,6 @@ class EtcdStore(dist.Store):
                     "or the store timeout is too short for this job."
                 )
             self._client.wait_for_event(k, response.header.revision + 1, remaining)
-
-
-def _too_large(exc: grpc.RpcError) -> bool:
-    # etcd answers INVALID_ARGUMENT "request is too large" up to its gRPC receive limit
-    # (--max-request-bytes + 512 KiB) and RESOURCE_EXHAUSTED from gRPC beyond it.
-    code, details = exc.code(), exc.details() or ""
-    return code == grpc.StatusCode.RESOURCE_EXHAUSTED or (
-        code == grpc.StatusCode.INVALID_ARGUMENT and "request is too large" in details
-    )
 
 
 def _bytes(value: bytes | str) -> bytes:

@@ -7,8 +7,9 @@ command line) and :func:`rendezvous_status`.
 The single-key rendezvous state is a pickle: it is decoded only with the job's secret
 (``$ELASTIC_SECRET_FILE``), after its HMAC verified. Without the secret nothing pickled
 is decoded at all, not even through the allow-list below: status then shows what etcd
-says about the key (size, revision, whether the agents sign it), the commit fence's round
-and the agents' probe keys, and a sentence that the details need the secret.
+says about the key (size, revision, whether the agents sign it) and a sentence that the
+details need the secret. (Single-key is torch's own handler: it publishes no commit fence
+and no probe ports, so the state key is all there is.)
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def rendezvous_status(
 
         return announce_status(client, keys)
     if not secret:
-        return _undecoded_status(client, keys, kvs[0])
+        return _undecoded_status(keys, kvs[0])
     payload = decode_state(kvs[0].value, keys.state, secret)  # raises unless signed by us
     try:
         state = load_state(payload)
@@ -177,14 +178,9 @@ def rendezvous_status(
     }
 
 
-def _undecoded_status(client: EtcdClient, keys: RunKeys, kv: Any) -> dict[str, Any]:
+def _undecoded_status(keys: RunKeys, kv: Any) -> dict[str, Any]:
     """What status can say of a single-key run without unpickling anything: the state
-    key's size and revision and whether the agents sign it, the commit fence's round
-    (the newest completed one, plain digits) and the nodes that published a probe port
-    (their key names), with :data:`NEEDS_SECRET`."""
-    fence = client.range(keys.fence).kvs
-    probes = client.range(keys.probes, prefix=True).kvs
-    start = len(keys.probes)
+    key's size and revision and whether the agents sign it, with :data:`NEEDS_SECRET`."""
     return {
         "exists": True,
         "decoded": False,
@@ -192,20 +188,8 @@ def _undecoded_status(client: EtcdClient, keys: RunKeys, kv: Any) -> dict[str, A
         "bytes": len(kv.value),
         "revision": int(kv.mod_revision),
         "signed": kv.value.startswith(_MAGIC_SIGNED),
-        "fence_round": _digits(fence[0].value) if fence else None,
-        "agents": sorted(_printable(p.key[start:]) for p in probes),
         "note": NEEDS_SECRET,
     }
-
-
-def _digits(value: bytes) -> int | None:
-    """A number etcd holds as ASCII digits (None for anything else)."""
-    return int(value) if value.isdigit() else None
-
-
-def _printable(name: bytes) -> str:
-    """A key name from etcd (untrusted) safe to print on a terminal."""
-    return "".join(c if c.isprintable() else "?" for c in name.decode(errors="replace"))
 
 
 def checkpoint_status(
@@ -240,15 +224,10 @@ def format_table(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None)
         lines.append("  no rendezvous state in etcd (never started, or expired)")
     elif rdzv.get("decoded") is False:
         signed = "signed" if rdzv["signed"] else "not signed"
-        fence = rdzv["fence_round"]
-        agents = rdzv["agents"]
         lines.append(
             f"  rendezvous state: {rdzv['bytes']} bytes at revision {rdzv['revision']}, "
             f"{signed} (not decoded)"
         )
-        lines.append(f"  newest completed round: {'none' if fence is None else fence}")
-        names = f" ({', '.join(agents)})" if agents else ""
-        lines.append(f"  agents with a probe port: {len(agents)}{names}")
         lines.append(f"  {rdzv['note']}")
     else:
         lines.append(

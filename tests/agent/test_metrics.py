@@ -54,7 +54,7 @@ def fake_handler(round_: int = 7, participants: int = 2, waiting: int = 1) -> An
         wait_list={f"late{i}" for i in range(waiting)},
     )
     view = (state.round, len(state.participants), len(state.wait_list))
-    return SimpleNamespace(round_view=lambda: view)  # EtcdRendezvousHandler.round_view
+    return SimpleNamespace(round_view=lambda: view)  # MembershipHandler.round_view
 
 
 def worker_group(handler: Any, nodes: int, nproc: int) -> Any:

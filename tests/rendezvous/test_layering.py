@@ -10,8 +10,6 @@ import pytest
 
 RENDEZVOUS = Path(__file__).resolve().parents[2] / "elastic" / "rendezvous"
 FORBIDDEN = ("grpc", "etcd3")
-# Not yet moved (other modules' owners): each still imports etcd3's protobufs or grpc.
-NOT_YET = {"fence.py": "etcd3 (etcdrpc.Compare LESS, DeleteRange)", "store.py": "grpc errors"}
 
 
 def imported(path: Path) -> set[str]:
@@ -40,14 +38,7 @@ def test_the_announce_package_is_covered() -> None:
 
 
 @pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=pytest.mark.xfail(reason=NOT_YET[p.name]))
-        if p.relative_to(RENDEZVOUS).as_posix() in NOT_YET
-        else p
-        for p in MODULES
-    ],
-    ids=[p.relative_to(RENDEZVOUS).as_posix() for p in MODULES],
+    "path", MODULES, ids=[p.relative_to(RENDEZVOUS).as_posix() for p in MODULES]
 )
 def test_no_rendezvous_module_imports_grpc_or_etcd_protobufs(path: Path) -> None:
     assert not imported(path) & set(FORBIDDEN), f"{path} imports {imported(path) & set(FORBIDDEN)}"
