@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node's agent until its workers finish; return the exit code."""
+    from elastic.credentials import take_password_from_env
+
+    # First: out of os.environ before any child copies it, and wiped from /proc/<pid>/environ.
+    take_password_from_env()
     argv = list(sys.argv[1:] if argv is None else argv)
     # Before the fork server starts: it takes this environment for the workers.
     private_log = _event_log_for_workers() if _may_serve_metrics(argv) else None
@@ -39,9 +43,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    from elastic.credentials import take_password_from_env
-
-    take_password_from_env()  # before any child (the fork server first) copies the environment
     _start_warm_server_early(argv)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
