@@ -13,6 +13,9 @@ import torch
 from elastic.checkpoint import CheckpointManager, StepInfo, find_latest_complete
 from elastic.checkpoint.config import CheckpointConfig
 
+# The worker-config and S3 fixtures (the checkpoint tests that run our worker use them).
+from tests.training.conftest import launch, moto_s3, s3_env, tiny_config  # noqa: F401
+
 RUN = "r"
 SUBPROCESS_TIMEOUT_S = 120
 
