@@ -24,7 +24,8 @@ outage_timeout      seconds a running job rides out an unreachable etcd before t
 algorithm           ``announce`` (default: one key per node on its own lease, a
                     closer publishes each round; O(1) requests per node, scales
                     to 1,000 nodes, see :mod:`elastic.rendezvous.announce`) or
-                    ``single-key`` (torch's handler, all state in one key)
+                    ``single-key`` (torch's stock handler, all state in one
+                    key, see :mod:`elastic.rendezvous.handler`)
 ==================  ==========================================================
 
 and torch's standard ones: ``join_timeout`` (600), ``last_call_timeout`` (30),
