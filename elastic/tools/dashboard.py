@@ -12,15 +12,21 @@ The standard library's ``http.server`` in a thread, no framework. Three paths:
   again at most every :data:`TIMELINE_EVERY_S` seconds.
 
 Nothing on the page writes anywhere: etcd is only read, and the event log only tailed.
+Requests must name the server in their ``Host`` header (the loopback names, the bound
+address, or a name given with ``--allow-host``): others are answered 421, so a page that
+rebinds its DNS name to 127.0.0.1 cannot read ``/api/status``. What is kept of the event
+log is bounded (:class:`EventTail`), however long the run.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,39 +45,110 @@ TIMELINE_EVERY_S = 3.0  # the timeline PNG is drawn again at most this often
 CHECKPOINT_EVERY_S = 10.0  # storage is listed for the newest complete checkpoint this often
 # Not kept in memory: every rank's sample indices of every step (job.sample_ledger).
 SKIPPED_KINDS = frozenset({"train.samples"})
+MAX_STEPS = 2000  # train.step points kept for the timeline (downsampled beyond)
+MAX_OTHER = 5000  # the newest events of other kinds kept (membership, checkpoints...)
+MAX_LINE = 1 << 20  # bytes: a longer line without its newline is dropped
 STATUS_EVERY_S = 0.5  # requests closer together share one etcd read
 TIMELINE_SIZE = (11.0, 6.0)  # inches at 100 dpi: below the cards in a 900-pixel-high window
 
 
-class EventTail:
-    """Every event of a JSON-lines log so far, less the kinds in ``skip``, kept up to date
-    by :class:`elastic.events.Tail` (only what was appended since the last call is read; a
-    torn last line waits for its end; a truncated or replaced file is read again)."""
+@dataclass(frozen=True)
+class Summary:
+    """What ``/api/status`` shows of the event log: how many events were read, the newest
+    ``train.step`` and the newest successful ``ckpt.save`` (None: none yet)."""
 
-    def __init__(self, path: Path | None, skip: frozenset[str] = SKIPPED_KINDS) -> None:
+    count: int
+    step: dict[str, Any] | None
+    saved: dict[str, Any] | None
+
+
+class EventTail:
+    """What the page needs of a JSON-lines log, kept up to date by
+    :class:`elastic.events.Tail` (only what was appended since the last call is read; a
+    torn last line waits for its end; a truncated or replaced file is read again).
+
+    Memory stays bounded however long the run: it keeps how many events were read, the
+    newest step and the newest successful save, the first event (the timeline's zero), at
+    most ``max_steps`` steps (every step until then; beyond, every other one kept is
+    dropped and from then on every ``2**k``-th step is kept) and the newest ``max_other``
+    events of other kinds. The kinds in ``skip`` are not kept at all.
+    """
+
+    def __init__(
+        self,
+        path: Path | None,
+        skip: frozenset[str] = SKIPPED_KINDS,
+        *,
+        max_steps: int = MAX_STEPS,
+        max_other: int = MAX_OTHER,
+    ) -> None:
         self.path = path
         self.skip = skip
-        self.events: list[dict[str, Any]] = []
-        self._tail = Tail(path, skip=skip) if path is not None else None
+        self.max_steps = max_steps
+        self._tail = Tail(path, skip=skip, max_partial=MAX_LINE) if path is not None else None
         self._lock = threading.Lock()
+        self._other: deque[tuple[int, dict[str, Any]]] = deque(maxlen=max_other)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.count = 0  # events read (less the skipped kinds)
+        self.newest_step: dict[str, Any] | None = None
+        self.newest_save: dict[str, Any] | None = None  # the newest ckpt.save that succeeded
+        self._first: tuple[int, dict[str, Any]] | None = None
+        self._newest_step: tuple[int, dict[str, Any]] | None = None
+        self._steps: list[tuple[int, dict[str, Any]]] = []
+        self._stride, self._step_count = 1, 0
+        self._other.clear()
+
+    def _add(self, event: dict[str, Any]) -> None:
+        seq, self.count = self.count, self.count + 1
+        if self._first is None:
+            self._first = (seq, event)
+        kind = event.get("kind")
+        if kind != "train.step":
+            if kind == "ckpt.save" and event.get("ok"):
+                self.newest_save = event
+            self._other.append((seq, event))
+            return
+        self.newest_step, self._newest_step = event, (seq, event)
+        if self._step_count % self._stride == 0:
+            self._steps.append((seq, event))
+            if len(self._steps) > self.max_steps:
+                self._steps, self._stride = self._steps[::2], self._stride * 2
+        self._step_count += 1
 
     def poll(self) -> list[dict[str, Any]]:
-        """Read what is new; return every event so far (a copy)."""
+        """Read what is new; return the events kept, in the log's order (a new list)."""
         with self._lock:
-            if self._tail is not None:
-                try:
-                    new = self._tail.read()
-                except OSError as exc:
-                    logger.debug("Cannot read the event log %s: %s", self.path, exc)
-                else:
-                    if self._tail.restarted:
-                        self.events = []
-                    self.events.extend(new)
-            return list(self.events)
+            self._read()
+            return self._kept()
 
+    def summary(self) -> Summary:
+        """Read what is new; return the count and the newest step and save, of one read."""
+        with self._lock:
+            self._read()
+            return Summary(self.count, self.newest_step, self.newest_save)
 
-def _latest(events: list[dict[str, Any]], kind: str, ok: Callable[[dict[str, Any]], bool]) -> Any:
-    return next((e for e in reversed(events) if e.get("kind") == kind and ok(e)), None)
+    def _read(self) -> None:
+        if self._tail is None:
+            return
+        try:
+            new = self._tail.read()
+        except OSError as exc:
+            logger.debug("Cannot read the event log %s: %s", self.path, exc)
+            return
+        if self._tail.restarted:
+            self._clear()
+        for event in new:
+            self._add(event)
+
+    def _kept(self) -> list[dict[str, Any]]:
+        ends = [e for e in (self._first, self._newest_step) if e is not None]
+        merged = heapq.merge(self._steps, self._other, sorted(ends), key=lambda e: e[0])
+        out: dict[int, dict[str, Any]] = {}
+        for seq, event in merged:
+            out.setdefault(seq, event)
+        return list(out.values())
 
 
 class Dashboard:
@@ -126,16 +203,15 @@ class Dashboard:
         except ElasticError as exc:
             out["rendezvous"] = None
             out["errors"].append(str(exc))
-        events = self.tail.poll()
-        out["events"] = len(events)
+        seen = self.tail.summary()
+        step, saved = seen.step, seen.saved
+        out["events"] = seen.count
         out["event_log"] = str(self.tail.path) if self.tail.path else None
-        step = _latest(events, "train.step", lambda e: True)
         out["step"] = (
             {k: step.get(k) for k in ("step", "loss", "samples_per_s", "world_size", "ts")}
             if step
             else None
         )
-        saved = _latest(events, "ckpt.save", lambda e: bool(e.get("ok")))
         out["checkpoint"] = {
             "saved_step": saved.get("step") if saved else None,
             "saved_url": saved.get("url") if saved else None,
@@ -162,14 +238,15 @@ class Dashboard:
 
         with self._timeline_lock:
             events = self.tail.poll()
+            count = self.tail.count
             now = time.monotonic()
             cached = self._timeline
             fresh = cached is not None and (
-                cached[1] == len(events) or now - cached[0] < TIMELINE_EVERY_S
+                cached[1] == count or now - cached[0] < TIMELINE_EVERY_S
             )
             if not fresh:
                 png = render_png(events, title=self.run_id, size=TIMELINE_SIZE)
-                self._timeline = cached = (now, len(events), png)
+                self._timeline = cached = (now, count, png)
             assert cached is not None
             return cached[2]
 
@@ -278,12 +355,36 @@ def page(run_id: str) -> str:
     )
 
 
+def allowed_hosts(bound: str, port: int, names: Iterable[str] = ()) -> frozenset[str]:
+    """The ``Host`` header values a dashboard on ``bound:port`` answers: the loopback names,
+    the bound address and ``names`` (each with ``:port``; bare too on port 80; a name given
+    with its own port as it is), lower-case. Anything else may be a DNS-rebinding page."""
+    out: set[str] = set()
+    for name in ("127.0.0.1", "localhost", "[::1]", bound, *names):
+        name = name.strip().lower()
+        if not name or name in ("0.0.0.0", "::"):
+            continue
+        if name.count(":") > 1 and not name.startswith("["):
+            name = f"[{name}]"  # a bare IPv6 address
+        if name.rpartition(":")[2].isdigit() and not name.endswith("]"):
+            out.add(name)
+            continue
+        out.add(f"{name}:{port}")
+        if port == 80:
+            out.add(name)
+    return frozenset(out)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         dashboard = self.server.dashboard
+        host = (self.headers.get("Host") or "").strip().lower()
+        if host not in self.server.allowed_hosts():
+            self._refuse(host)
+            return
         try:
             if path in ("/", "/index.html"):
                 self._send(page(dashboard.run_id).encode(), "text/html; charset=utf-8")
@@ -304,6 +405,14 @@ class _Handler(BaseHTTPRequestHandler):
                 HTTPStatus.INTERNAL_SERVER_ERROR,
             )
 
+    def _refuse(self, host: str) -> None:
+        logger.warning("The dashboard refused a request for host %r (not one of its names).", host)
+        body = (
+            f"This dashboard does not answer for the host '{host}'; open it as "
+            f"http://127.0.0.1:{self.server.port}/ or start it with --allow-host NAME."
+        )
+        self._send(body.encode(), "text/plain; charset=utf-8", HTTPStatus.MISDIRECTED_REQUEST)
+
     def _send(self, body: bytes, kind: str, status: HTTPStatus = HTTPStatus.OK) -> None:
         self.send_response(status)
         self.send_header("Content-Type", kind)
@@ -319,9 +428,20 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], dashboard: Dashboard) -> None:
+    def __init__(
+        self, address: tuple[str, int], dashboard: Dashboard, names: Iterable[str] = ()
+    ) -> None:
         self.dashboard = dashboard
+        self.names = tuple(names)
         super().__init__(address, _Handler)
+        self._allowed = allowed_hosts(address[0], self.port, self.names)
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def allowed_hosts(self) -> frozenset[str]:
+        return self._allowed
 
 
 @dataclass
@@ -355,10 +475,17 @@ class Served:
         self.close()
 
 
-def serve(dashboard: Dashboard, host: str = "127.0.0.1", port: int = 0) -> Served:
-    """Serve ``dashboard`` on ``host:port`` (0: a free port) in a daemon thread."""
+def serve(
+    dashboard: Dashboard, host: str = "127.0.0.1", port: int = 0, allow_hosts: Iterable[str] = ()
+) -> Served:
+    """Serve ``dashboard`` on ``host:port`` (0: a free port) in a daemon thread.
+
+    Only requests whose ``Host`` header names this server are answered
+    (:func:`allowed_hosts`: the loopback names, ``host``, and ``allow_hosts``); others get
+    421, so that a web page that rebinds its own name to 127.0.0.1 cannot read the status.
+    """
     try:
-        server = _Server((host, port), dashboard)
+        server = _Server((host, port), dashboard, allow_hosts)
     except OSError as exc:
         dashboard.close()
         raise ElasticError(
@@ -374,4 +501,4 @@ def serve(dashboard: Dashboard, host: str = "127.0.0.1", port: int = 0) -> Serve
     return Served(server, thread, dashboard)
 
 
-__all__ = ["Dashboard", "EventTail", "Served", "page", "serve"]
+__all__ = ["Dashboard", "EventTail", "Served", "Summary", "allowed_hosts", "page", "serve"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import http.client
 import json
 import os
 import re
@@ -9,6 +11,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import tracemalloc
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +22,15 @@ from typing import Any
 import pytest
 
 from elastic.etcd.server import EtcdServer
-from elastic.tools.dashboard import Dashboard, EventTail, Served, serve
+from elastic.tools.dashboard import (
+    MAX_OTHER,
+    MAX_STEPS,
+    Dashboard,
+    EventTail,
+    Served,
+    allowed_hosts,
+    serve,
+)
 from elastic.tools.status import etcd_options
 from tests.agent.jobs import Job
 from tests.helpers import PYTHON, REPO, node_env, wait_until
@@ -131,6 +142,94 @@ def test_status_reads_new_events_and_reports_etcd_errors(
         unreachable.close()
     assert status["rendezvous"] is None and status["step"]["step"] == 2
     assert any("Could not reach etcd" in e for e in status["errors"]), status["errors"]
+
+
+def _get_as(port: int, host: str | None, path: str = "/api/status") -> tuple[int, bytes]:
+    """GET ``path`` from 127.0.0.1:``port`` with this ``Host`` header (None: no header)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        if host is not None:
+            conn.putheader("Host", host)
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_only_requests_that_name_the_server_are_answered(served: Served) -> None:
+    """A page whose DNS name was rebound to 127.0.0.1 sends its own name as Host."""
+    port = served.port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LocalHost:{port}", f"[::1]:{port}"):
+        status, body = _get_as(port, host)
+        assert status == 200 and "run_id" in json.loads(body), host
+    for host in (f"evil.example:{port}", "evil.example", f"localhost:{port + 1}", "", None):
+        for path in ("/api/status", "/", "/timeline.png"):
+            status, body = _get_as(port, host, path)
+            assert status == 421, (host, path, status)
+            assert body.startswith(b"This dashboard does not answer for the host"), body
+            assert b"--allow-host NAME." in body and b"run_id" not in body
+
+
+def test_allow_host_adds_a_name(etcd: EtcdServer, run_id: str) -> None:
+    dashboard = Dashboard(etcd_options(etcd.endpoint), run_id)
+    with serve(dashboard, port=0, allow_hosts=["Dash.Example", "other.example:9"]) as server:
+        port = server.port
+        assert _get_as(port, f"dash.example:{port}")[0] == 200
+        assert _get_as(port, "other.example:9")[0] == 200
+        assert _get_as(port, f"other.example:{port}")[0] == 421
+        assert _get_as(port, f"evil.example:{port}")[0] == 421
+
+
+def test_allowed_hosts() -> None:
+    assert allowed_hosts("0.0.0.0", 8080) == {"127.0.0.1:8080", "localhost:8080", "[::1]:8080"}
+    assert "10.0.0.5:8080" in allowed_hosts("10.0.0.5", 8080)
+    assert {"[fe80::1]:81", "box:81"} <= allowed_hosts("fe80::1", 81, ["BOX "])
+    assert {"localhost", "localhost:80"} <= allowed_hosts("127.0.0.1", 80)
+    assert "localhost" not in allowed_hosts("127.0.0.1", 8080)
+
+
+def _write_events(log: Path, start: int, n: int) -> None:
+    """``n`` events from number ``start``: nine steps in ten, then a round or a save."""
+    lines = []
+    for i in range(start, start + n):
+        if i % 10:
+            event = {"ts": float(i), "kind": "train.step", "step": i, "loss": 1.0 / (i + 1)}
+        elif i % 20:
+            event = {"ts": float(i), "kind": "rdzv.round", "round": i, "world_size": 2}
+        else:
+            event = {"ts": float(i), "kind": "ckpt.save", "step": i, "ok": True, "url": "u"}
+        lines.append(json.dumps(event) + "\n")
+    with open(log, "a") as f:
+        f.writelines(lines)
+
+
+def test_a_long_event_log_keeps_memory_bounded(tmp_path: Path) -> None:
+    log, batch, bound = tmp_path / "events.jsonl", 60_000, MAX_STEPS + MAX_OTHER + 2
+    tail = EventTail(log)
+    tracemalloc.start()
+    try:
+        sizes, kept = [], []
+        for round_ in range(3):
+            _write_events(log, round_ * batch, batch)
+            kept = tail.poll()
+            gc.collect()
+            sizes.append(tracemalloc.get_traced_memory()[0])
+            assert tail.count == (round_ + 1) * batch and len(kept) <= bound, len(kept)
+    finally:
+        tracemalloc.stop()
+    # what stays after the second batch does not grow with the third (5%: the allocator)
+    assert sizes[2] < sizes[1] * 1.05, sizes
+    assert sizes[2] < 30 * 2**20, sizes  # a few MB, not the 180,000 events
+    newest = 3 * batch - 1
+    assert kept[0]["ts"] == 0.0 and kept[-1]["step"] == newest  # the timeline's two ends
+    steps = [e["step"] for e in kept if e["kind"] == "train.step"]
+    assert steps == sorted(steps) and len(steps) <= MAX_STEPS + 1 and steps[0] < batch
+    summary = tail.summary()
+    assert summary.count == 3 * batch and summary.step is not None
+    assert summary.step["step"] == newest
+    assert summary.saved is not None and summary.saved["step"] == newest - newest % 20
 
 
 # -- the page in a real browser -------------------------------------------------------------
