@@ -164,10 +164,11 @@ def test_only_requests_that_name_the_server_are_answered(served: Served) -> None
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LocalHost:{port}", f"[::1]:{port}"):
         status, body = _get_as(port, host)
         assert status == 200 and "run_id" in json.loads(body), host
-    for host in (f"evil.example:{port}", "evil.example", f"localhost:{port + 1}", "", None):
+    refused: tuple[str | None, ...] = ("evil.example", f"evil.example:{port}", "", None)
+    for bad in (*refused, f"localhost:{port + 1}"):
         for path in ("/api/status", "/", "/timeline.png"):
-            status, body = _get_as(port, host, path)
-            assert status == 421, (host, path, status)
+            status, body = _get_as(port, bad, path)
+            assert status == 421, (bad, path, status)
             assert body.startswith(b"This dashboard does not answer for the host"), body
             assert b"--allow-host NAME." in body and b"run_id" not in body
 
@@ -296,7 +297,7 @@ class _Dom(HTMLParser):
         elif tag == "img":
             self.images.append(a)
         elif tag == "div" and a.get("class") == "value" and a.get("id"):
-            self._value = a["id"]
+            self._value = str(a["id"])
             self.values[self._value] = ""
 
     def handle_data(self, data: str) -> None:
@@ -364,6 +365,7 @@ def test_the_command_serves_until_ctrl_c(etcd: EtcdServer, run_id: str, tmp_path
         found = wait_until(
             lambda: re.search(r"(http://127\.0\.0\.1:\d+/)", out.read_text()), 60, "the URL"
         )
+        assert found is not None
         status, _, body = _get(found.group(1) + "api/status")
         assert status == 200 and json.loads(body)["step"]["step"] == 7
         proc.send_signal(signal.SIGINT)
