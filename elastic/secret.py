@@ -73,14 +73,30 @@ def job_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     return None
 
 
-def sign(secret: bytes, content: bytes) -> str:
-    """HMAC-SHA256 of ``content`` under ``secret``, hex."""
-    return hmac.new(secret, _DOMAIN + content, hashlib.sha256).hexdigest()
+def shared_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The secret of ``$ELASTIC_SECRET_FILE`` only (no local fallback, no warning), or None.
+
+    For what nodes of one job must agree on (the rendezvous' records): a secret generated
+    per host would differ between hosts.
+
+    Raises:
+        ConfigError: ``$ELASTIC_SECRET_FILE`` names a file that is missing or empty.
+    """
+    named = (os.environ if environ is None else environ).get(env.SECRET_FILE)
+    return _read(Path(named)) if named else None
 
 
-def verify(secret: bytes, content: bytes, signature: object) -> bool:
+def sign(secret: bytes, content: bytes, domain: bytes = _DOMAIN) -> str:
+    """HMAC-SHA256 of ``domain`` + ``content`` under ``secret``, hex (the domain keeps a
+    signature of one kind of record from passing for another)."""
+    return hmac.new(secret, domain + content, hashlib.sha256).hexdigest()
+
+
+def verify(secret: bytes, content: bytes, signature: object, domain: bytes = _DOMAIN) -> bool:
     """Whether ``signature`` is the HMAC of ``content`` under ``secret`` (constant time)."""
-    return isinstance(signature, str) and hmac.compare_digest(sign(secret, content), signature)
+    return isinstance(signature, str) and hmac.compare_digest(
+        sign(secret, content, domain), signature
+    )
 
 
 def _read(path: Path) -> bytes:
@@ -146,4 +162,4 @@ def _warn_once(why: str) -> None:
     )
 
 
-__all__ = ["is_local_run", "job_secret", "secret_path", "sign", "verify"]
+__all__ = ["is_local_run", "job_secret", "secret_path", "shared_secret", "sign", "verify"]

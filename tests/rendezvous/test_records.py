@@ -15,7 +15,9 @@ from elastic.rendezvous.announce.records import (
     NO_ROUND,
     Announcement,
     Round,
+    Trust,
     decode_member,
+    decode_members,
     decode_round,
     parse_member,
     parse_round,
@@ -110,3 +112,56 @@ def test_a_malformed_member_is_one_sentence_and_skipped(
     with caplog.at_level(logging.WARNING):
         assert decode_member(kv("n1", value), PREFIX) is None
     assert "Ignoring it." in caplog.text
+
+
+# -- signed records (a job secret) ------------------------------------------------------
+
+ROUND_KEY = b"/elastic/run/announce/round"
+ANNOUNCEMENT = Announcement("10.0.0.1", 42, 0, 9001, 29500, after=3)
+ROUND = Round(3, {"n1": 0}, "10.0.0.1", 29500, "n1")
+
+
+def trust(secret: bytes | None = b"job-secret") -> Trust:
+    return Trust(secret, ROUND_KEY, "run")
+
+
+def test_signed_records_read_back_and_an_unsigned_or_foreign_one_is_refused() -> None:
+    value = trust().seal(PREFIX + b"n1", ANNOUNCEMENT)
+    assert "sig" in json.loads(value)
+    assert decode_member(kv("n1", value), PREFIX, trust()) == parse_member(kv("n1", value), PREFIX)
+    assert decode_member(kv("n1", ANNOUNCEMENT.encode()), PREFIX, trust()) is None
+    foreign = trust(b"another-secret").seal(PREFIX + b"n1", ANNOUNCEMENT)
+    assert decode_member(kv("n1", foreign), PREFIX, trust()) is None
+    sealed = trust().seal(ROUND_KEY, ROUND)
+    assert decode_round(sealed, trust()) == ROUND
+    assert decode_round(ROUND.encode(), trust()) is NO_ROUND
+    assert decode_round(trust(b"another-secret").seal(ROUND_KEY, ROUND), trust()) is NO_ROUND
+
+
+def test_a_signature_covers_the_key_the_bootstrap_address_and_the_closed_flag() -> None:
+    value = trust().seal(PREFIX + b"n1", ANNOUNCEMENT)
+    assert decode_member(kv("n2", value), PREFIX, trust()) is None  # copied to another key
+    sealed = json.loads(trust().seal(ROUND_KEY, ROUND))
+    for field, forged in (("master_addr", "10.6.6.6"), ("master_port", 6666), ("closed", True)):
+        doc = {**sealed, field: forged}
+        assert decode_round(json.dumps(doc).encode(), trust()) is NO_ROUND, field
+    member_sig = json.loads(value)["sig"]  # a member's signature does not pass for a round's
+    doc = {**ROUND.document(), "sig": member_sig}
+    assert decode_round(json.dumps(doc).encode(), trust()) is NO_ROUND
+
+
+def test_an_untrusted_member_is_warned_about_once_per_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    rogue, judge = kv("rogue", ANNOUNCEMENT.encode()), trust()
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert decode_members([rogue], PREFIX, judge) == []
+    assert caplog.text.count("is not signed by this job's secret; it gets no rank") == 1
+
+
+def test_without_a_secret_records_are_unsigned_and_all_trusted() -> None:
+    value = trust(None).seal(PREFIX + b"n1", ANNOUNCEMENT)
+    assert value == ANNOUNCEMENT.encode()
+    assert decode_member(kv("n1", value), PREFIX, trust(None)) is not None
+    assert decode_round(ROUND.encode(), trust(None)) == ROUND

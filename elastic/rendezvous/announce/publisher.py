@@ -92,9 +92,9 @@ class Publisher:
         Raises:
             EtcdConnectionError: the lease expired again before each of a few tries.
         """
-        response = self._write(announcement.encode())
+        response = self._write(self._state.trust.seal(self.key, announcement))
         revision = response.header.revision
-        older = decode_members(txn_kvs(response, 2), self._keys.members)
+        older = decode_members(txn_kvs(response, 2), self._keys.members, self._state.trust)
         mine = txn_kvs(response, 3)
         created = mine[0].create_revision if mine else revision
         state = self._state
@@ -145,7 +145,7 @@ class Publisher:
             compare_mod(key, state.round_rev) if state.round_rev else compare_absent(key),
             compare_created(self.key, state.create_rev),
         ]
-        puts = [op_put(key, round_.encode(), self._run_lease.id())]
+        puts = [op_put(key, state.trust.seal(key, round_), self._run_lease.id())]
         if high is not None:
             value = _round_bytes(high)
             compares.append(
@@ -174,18 +174,19 @@ class Publisher:
     def is_closed(self) -> bool:
         """Whether the rendezvous is closed (one read)."""
         kvs = self._client.range(self._keys.round).kvs
-        return bool(kvs and decode_round(kvs[0].value).closed)
+        return bool(kvs and decode_round(kvs[0].value, self._state.trust).closed)
 
     def close_run(self) -> None:
         """Mark the rendezvous closed: every node's next rendezvous then ends."""
-        key = self._keys.round
+        key, trust = self._keys.round, self._state.trust
         kvs = [key_value(kv) for kv in self._client.range(key).kvs]
         while True:
-            round_ = decode_round(kvs[0].value) if kvs else NO_ROUND
+            round_ = decode_round(kvs[0].value, trust) if kvs else NO_ROUND
             if round_.closed:
                 return
             compare = compare_mod(key, kvs[0].mod_revision) if kvs else compare_absent(key)
-            put = op_put(key, replace(round_, closed=True).encode(), self._run_lease.id())
+            closed = trust.seal(key, replace(round_, closed=True))
+            put = op_put(key, closed, self._run_lease.id())
             response = self._client.txn([compare], [put], [op_get(key)])
             if response.succeeded:
                 return

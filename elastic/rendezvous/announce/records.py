@@ -7,6 +7,15 @@
   rank, rank 0's address and bootstrap port, the closer, and for the running round
   ``waiting``, ``joining``, ``lost`` and ``stale``; ``closed`` once the job finished).
 
+With a job secret (``$ELASTIC_SECRET_FILE``: :func:`elastic.secret.shared_secret`) every
+record is signed (:class:`Trust`: HMAC-SHA256 under a domain string, over the key and every
+field, the bootstrap address and port and the ``closed`` flag included), and a record that
+is unsigned or signed with another secret is not trusted: such a member gets no rank (one
+warning and an ``rdzv.untrusted`` event per member key), such a round is refused and read as
+no round. Without a secret, records are written unsigned and every readable one is trusted,
+as before: then whoever can write etcd can join a round or forge one (protect etcd with TLS
+and auth).
+
 A record that is not what we write is reported in one sentence naming the key
 (:class:`~elastic.errors.EtcdStateError` from :func:`parse_round` and :func:`parse_member`);
 the lenient :func:`decode_round` and :func:`decode_member` log that sentence and read an
@@ -17,16 +26,23 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
+from elastic import events
 from elastic.errors import EtcdStateError
 from elastic.etcd.client import KeyValue
+from elastic.secret import sign, verify
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+MEMBER_DOMAIN = b"elastic-announce-member-v1\0"
+ROUND_DOMAIN = b"elastic-announce-round-v1\0"
+_SIG = "sig"  # the field that holds a record's signature
 
 
 @dataclass(frozen=True)
@@ -41,8 +57,12 @@ class Announcement:
     after: int  # the round this node left behind when it announced (-1: none)
     local_world_size: int = 1
 
+    def document(self) -> dict[str, Any]:
+        return asdict(self)
+
     def encode(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        """The record unsigned (:meth:`Trust.seal` signs it)."""
+        return json.dumps(self.document()).encode()
 
 
 @dataclass(frozen=True)
@@ -81,7 +101,7 @@ class Round:
     stale: Mapping[str, int] = field(default_factory=dict)  # left out: node -> mod_revision
     closed: bool = False  # the job finished
 
-    def encode(self) -> bytes:
+    def document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "round": self.round,
             "members": dict(self.members),
@@ -95,7 +115,11 @@ class Round:
         }
         if self.closed:
             doc["closed"] = True
-        return json.dumps(doc).encode()
+        return doc
+
+    def encode(self) -> bytes:
+        """The record unsigned (:meth:`Trust.seal` signs it)."""
+        return json.dumps(self.document()).encode()
 
     def takes(self, name: str, after: int) -> bool:
         """Whether this round is newer than ``after`` and has ``name`` among its members."""
@@ -103,6 +127,68 @@ class Round:
 
 
 NO_ROUND = Round()
+
+
+class Trust:
+    """The job's secret on the records: signs what this node writes, checks what it reads.
+
+    Args:
+        secret: the job's secret; None: records are unsigned and all trusted (as before).
+        round_key: the run's round key (a round's signature covers it).
+        run_id: the run (for the ``rdzv.untrusted`` event).
+    """
+
+    def __init__(self, secret: bytes | None, round_key: bytes, run_id: str = "") -> None:
+        self.secret, self._round_key, self._run_id = secret, round_key, run_id
+        self._warned: set[tuple[bytes, int]] = set()  # untrusted member keys, incarnations
+        self._lock = threading.Lock()
+
+    def seal(self, key: bytes, record: Announcement | Round) -> bytes:
+        """``record`` as written into ``key``, signed if there is a secret."""
+        doc = record.document()
+        if self.secret is not None:
+            domain = ROUND_DOMAIN if isinstance(record, Round) else MEMBER_DOMAIN
+            doc[_SIG] = sign(self.secret, _content(key, doc), domain)
+        return json.dumps(doc).encode()
+
+    def signed(self, key: bytes, value: bytes, domain: bytes) -> bool:
+        """Whether ``value`` (a JSON object) carries this job's signature for ``key``."""
+        if self.secret is None:
+            return True
+        try:
+            doc = json.loads(value)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict):
+            return False
+        signature = doc.pop(_SIG, None)
+        return verify(self.secret, _content(key, doc), signature, domain)
+
+    def admits_round(self, value: bytes) -> bool:
+        return self.signed(self._round_key, value, ROUND_DOMAIN)
+
+    def admits_member(self, kv: KeyValue, member: Member) -> bool:
+        """Whether a member key is signed by the job; warns once per key incarnation."""
+        if self.signed(kv.key, kv.value, MEMBER_DOMAIN):
+            return True
+        with self._lock:
+            first = (kv.key, kv.create_revision) not in self._warned
+            self._warned.add((kv.key, kv.create_revision))
+        if first:
+            logger.warning(
+                "The member key '%s' (address %s) is not signed by this job's secret; it gets "
+                "no rank. Every node of the job must share $ELASTIC_SECRET_FILE; delete the key "
+                "if nobody of this job wrote it.",
+                kv.key.decode(errors="replace"),
+                member.addr,
+            )
+            events.emit("rdzv.untrusted", run_id=self._run_id, node=member.name)
+        return False
+
+
+def _content(key: bytes, doc: Mapping[str, Any]) -> bytes:
+    """What a signature covers: the key and every field, canonically."""
+    return key + b"\0" + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 def parse_round(value: bytes) -> Round:
@@ -128,13 +214,21 @@ def parse_round(value: bytes) -> Round:
     )
 
 
-def decode_round(value: bytes) -> Round:
-    """:func:`parse_round`, but an unreadable round is no round yet (with a warning)."""
+def decode_round(value: bytes, trust: Trust | None = None) -> Round:
+    """:func:`parse_round`, but an unreadable round, or one that ``trust`` does not admit
+    (not signed by the job), is no round yet (with a warning)."""
     try:
-        return parse_round(value)
+        round_ = parse_round(value)
     except EtcdStateError as exc:
         logger.warning("%s Treating it as no round yet.", exc)
         return NO_ROUND
+    if value and trust is not None and not trust.admits_round(value):
+        logger.warning(
+            "The round key is not signed by this job's secret (written by someone outside "
+            "the job, or a node with another $ELASTIC_SECRET_FILE); refusing it as no round."
+        )
+        return NO_ROUND
+    return round_
 
 
 def parse_member(kv: KeyValue, prefix: bytes) -> Member:
@@ -159,18 +253,22 @@ def parse_member(kv: KeyValue, prefix: bytes) -> Member:
     )
 
 
-def decode_member(kv: KeyValue, prefix: bytes) -> Member | None:
-    """:func:`parse_member`; None (with a warning) for a value we cannot read."""
+def decode_member(kv: KeyValue, prefix: bytes, trust: Trust | None = None) -> Member | None:
+    """:func:`parse_member`; None (with a warning) for a value we cannot read or that
+    ``trust`` does not admit (not signed by the job)."""
     try:
-        return parse_member(kv, prefix)
+        member = parse_member(kv, prefix)
     except EtcdStateError as exc:
         logger.warning("%s Ignoring it.", exc)
         return None
+    if trust is not None and not trust.admits_member(kv, member):
+        return None
+    return member
 
 
-def decode_members(kvs: list[KeyValue], prefix: bytes) -> list[Member]:
-    """The readable members of ``kvs`` (each unreadable one is logged and skipped)."""
-    return [m for kv in kvs if (m := decode_member(kv, prefix)) is not None]
+def decode_members(kvs: list[KeyValue], prefix: bytes, trust: Trust | None = None) -> list[Member]:
+    """The readable, trusted members of ``kvs`` (the others are logged and skipped)."""
+    return [m for kv in kvs if (m := decode_member(kv, prefix, trust)) is not None]
 
 
 def _json_object(value: bytes, what: str) -> dict[str, Any]:
@@ -210,10 +308,13 @@ def _str_tuple(doc: dict[str, Any], name: str, what: str) -> tuple[str, ...]:
 
 
 __all__ = [
+    "MEMBER_DOMAIN",
     "NO_ROUND",
+    "ROUND_DOMAIN",
     "Announcement",
     "Member",
     "Round",
+    "Trust",
     "decode_member",
     "decode_members",
     "decode_round",

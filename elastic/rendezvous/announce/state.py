@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from elastic.etcd.client import KeyValue, WatchHandle
 from elastic.rendezvous.announce.policy import Limits, Timers, View
-from elastic.rendezvous.announce.records import NO_ROUND, Member, Round, decode_round
+from elastic.rendezvous.announce.records import NO_ROUND, Member, Round, Trust, decode_round
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class NodeState:
 
     name: str
     run_id: str
+    trust: Trust = field(default_factory=lambda: Trust(None, b""))  # immutable
     cond: threading.Condition = field(default_factory=threading.Condition)
     stopped: threading.Event = field(default_factory=threading.Event)
     probe_now: threading.Event = field(default_factory=threading.Event)  # wakes the prober
@@ -70,7 +71,7 @@ class NodeState:
     def set_round_kv(self, kvs: list[KeyValue], seen: int = 0) -> None:
         """:meth:`set_round` of a read of the round key (no key: no round)."""
         if kvs:
-            self.set_round(decode_round(kvs[0].value), kvs[0].mod_revision, seen)
+            self.set_round(decode_round(kvs[0].value, self.trust), kvs[0].mod_revision, seen)
         else:
             self.set_round(NO_ROUND, 0, seen)
 
