@@ -26,7 +26,7 @@ from elastic.etcd.client import (
 from elastic.rendezvous.announce import policy
 from elastic.rendezvous.announce.policy import Action, Decision, Limits
 from elastic.rendezvous.announce.publisher import Publisher
-from elastic.rendezvous.announce.records import decode_member, decode_members, decode_round
+from elastic.rendezvous.announce.records import decode_member, decode_members
 from elastic.rendezvous.announce.state import NodeState
 from elastic.rendezvous.fence import high_key
 from elastic.rendezvous.keys import RunKeys
@@ -51,21 +51,28 @@ class Closer:
         self._publisher, self._limits = publisher, limits
         self._reason = ""
 
-    def step(self) -> None:
-        """Read the members if needed, decide, act, and watch if there is nothing to do."""
+    def step(self) -> bool:
+        """Read the members if needed, decide, act, and watch if there is nothing to do.
+
+        Returns:
+            Whether etcd answered: a read or write completed, or the watch saw an event
+            (a watch that just ran out proves nothing: a hung etcd lets it run out too).
+        """
         state = self._state
-        if not state.members_seen:
+        heard = not state.members_seen
+        if heard:
             self.read_members()
             if not state.closer:
-                return
+                return True
         with state.cond:
             action = self._decide(time.monotonic()).action
         if action is Action.PUBLISH:
             self._publish()
-            return
+            return True
         if action is Action.UPDATE:
             self._tell_running()
-        self._watch()
+            heard = True
+        return self._watch() or heard
 
     def _decide(self, now: float) -> Decision:
         """:func:`.policy.decide` on the state (the caller holds the lock); keeps its timers."""
@@ -84,7 +91,8 @@ class Closer:
         keys, state = self._keys, self._state
         ops = [op_range(keys.members, prefix=True), op_get(keys.round), op_get(high_key(keys))]
         response = self._client.txn([], ops, [])
-        members = {m.name: m for m in decode_members(txn_kvs(response, 0), keys.members)}
+        kvs = txn_kvs(response, 0)
+        members = {m.name: m for m in decode_members(kvs, keys.members, state.trust)}
         high, revision = txn_kvs(response, 2), response.header.revision
         with state.cond:
             state.members = members
@@ -129,8 +137,9 @@ class Closer:
             with state.cond:
                 state.set_round(round_, revision, revision)
 
-    def _watch(self) -> None:
-        """Watch the members and the round until the decision changes or its time comes."""
+    def _watch(self) -> bool:
+        """Watch the members and the round until the decision changes or its time comes;
+        whether etcd sent anything."""
         keys, state = self._keys, self._state
         with state.cond:
             targets = [
@@ -140,15 +149,20 @@ class Closer:
             before = self._decide(time.monotonic())
         wait_s = max(before.wake_at - time.monotonic(), _MIN_WATCH_S)
         deadline = _Deadline(state.watch, wait_s)
+        heard = False
 
         def on_events(index: int, batch: list[KeyEvent]) -> bool:
+            nonlocal heard
+            heard = True
             return self._on_events(index, batch, before, deadline)
 
         try:
             if not self._client.watch_many(targets, wait_s, on_events, state.watch):
                 state.members_seen = 0  # compacted: read everything again
+                return True
         finally:
             deadline.cancel()
+        return heard
 
     def _on_events(
         self, index: int, batch: list[KeyEvent], before: Decision, deadline: _Deadline
@@ -158,7 +172,7 @@ class Closer:
         with state.cond:
             if index == 1:
                 kv = batch[-1].kv
-                state.set_round(decode_round(kv.value), kv.mod_revision, kv.mod_revision)
+                state.set_round_kv([kv], kv.mod_revision)
                 return True
             if self._take(batch):
                 return True  # our own key is gone
@@ -181,7 +195,7 @@ class Closer:
                 if name == state.name:
                     state.expire()
                     return True
-            elif (member := decode_member(event.kv, prefix)) is not None:
+            elif (member := decode_member(event.kv, prefix, state.trust)) is not None:
                 state.members[name] = member
                 state.ports[name] = member.probe
                 if member.name in state.round.members:

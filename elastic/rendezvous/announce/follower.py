@@ -10,7 +10,7 @@ from __future__ import annotations
 from elastic.etcd.client import EtcdClient, KeyEvent, WatchTarget, op_get, txn_kvs
 from elastic.rendezvous.announce.policy import IDLE_WATCH_S
 from elastic.rendezvous.announce.publisher import older_members
-from elastic.rendezvous.announce.records import decode_member, decode_round
+from elastic.rendezvous.announce.records import decode_member
 from elastic.rendezvous.announce.state import NodeState
 from elastic.rendezvous.keys import RunKeys
 
@@ -21,22 +21,28 @@ class Follower:
     def __init__(self, client: EtcdClient, keys: RunKeys, state: NodeState) -> None:
         self._client, self._keys, self._state = client, keys, state
 
-    def step(self) -> None:
-        """Watch until the round changes or the predecessor goes (at most a minute)."""
+    def step(self) -> bool:
+        """Watch until the round changes or the predecessor goes (at most a minute).
+
+        Returns:
+            Whether etcd answered: an event came, or a read completed. A watch that just
+            ran out proves nothing (a hung etcd lets it run out too).
+        """
         state = self._state
         with state.cond:
             pred, targets = state.pred, [WatchTarget(self._keys.round, state.round_seen + 1)]
             if pred is not None:
                 key = self._keys.members + pred.name.encode()
                 targets.append(WatchTarget(key, state.pred_seen + 1))
-        pred_gone = False
+        pred_gone = heard = False
 
         def on_events(index: int, batch: list[KeyEvent]) -> bool:
-            nonlocal pred_gone
+            nonlocal pred_gone, heard
+            heard = True
             with state.cond:
                 if index == 0:
                     kv = batch[-1].kv
-                    state.set_round(decode_round(kv.value), kv.mod_revision, kv.mod_revision)
+                    state.set_round_kv([kv], kv.mod_revision)
                     return True
                 state.pred_seen = max(e.kv.mod_revision for e in batch)
                 pred_gone = any(e.deleted for e in batch)
@@ -44,14 +50,16 @@ class Follower:
 
         if not self._client.watch_many(targets, IDLE_WATCH_S, on_events, state.watch):
             self.resync()
-        elif pred_gone:
+            return True
+        if pred_gone:
             self.find_pred()
+        return heard
 
     def find_pred(self) -> None:
         """Read the next older member key: the new predecessor (none: the closer)."""
         response = self._client.txn([], [older_members(self._keys, self._state.create_rev)], [])
         kvs = txn_kvs(response, 0)
-        pred = decode_member(kvs[0], self._keys.members) if kvs else None
+        pred = decode_member(kvs[0], self._keys.members, self._state.trust) if kvs else None
         with self._state.cond:
             self._state.set_pred(pred, response.header.revision)
 
@@ -64,7 +72,8 @@ class Follower:
         with state.cond:
             state.set_round_kv(txn_kvs(response, 0))
             state.round_seen = revision
-            state.set_pred(decode_member(kvs[0], self._keys.members) if kvs else None, 0)
+            pred = decode_member(kvs[0], self._keys.members, state.trust) if kvs else None
+            state.set_pred(pred, 0)
             state.pred_seen = revision
             if state.closer:
                 state.members_seen = 0

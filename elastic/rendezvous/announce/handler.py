@@ -6,6 +6,11 @@ lease and probe loops: :class:`.keeper.Keeper`), and waits on the shared
 :class:`.state.NodeState` for a round that takes this node in. The agent's questions
 (:meth:`AnnounceRendezvousHandler.membership_change`, :meth:`round_view`, :meth:`fence`)
 are answered locally from that state, with no etcd request.
+
+With a job secret (``$ELASTIC_SECRET_FILE``, the same file on every node) every record this
+node writes is signed and only signed records are trusted (:class:`.records.Trust`): a member
+key written by someone without the secret gets no rank, a forged round (or ``closed`` flag)
+is refused. Without one everything works as before, unsigned.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from elastic.rendezvous.announce.keeper import Keeper, MemberLease
 from elastic.rendezvous.announce.outage import Outage
 from elastic.rendezvous.announce.policy import Limits
 from elastic.rendezvous.announce.publisher import Publisher
-from elastic.rendezvous.announce.records import Announcement, Round
+from elastic.rendezvous.announce.records import Announcement, Round, Trust
 from elastic.rendezvous.announce.state import NodeState
 from elastic.rendezvous.bootstrap import BootstrapStore
 from elastic.rendezvous.contract import MembershipChange
@@ -49,6 +54,7 @@ from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
 from elastic.rendezvous.ledger import RunLedger
 from elastic.rendezvous.options import RendezvousOptions
+from elastic.secret import shared_secret
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +75,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         ledger: the run's ledger (restart budget).
         params: torch's rendezvous parameters.
         options: the parsed options.
+        secret: the job's secret, which signs and checks every record (None: unsigned).
     """
 
     # Each round's bootstrap store is hosted by an agent (rank 0's), so running workers can
@@ -85,6 +92,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         ledger: RunLedger,
         params: RendezvousParameters,
         options: RendezvousOptions,
+        secret: bytes | None = None,
     ) -> None:
         self._client, self._keys, self._store, self._ledger = client, keys, store, ledger
         self._run_id = params.run_id
@@ -94,7 +102,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._addr = params.local_addr or socket.getfqdn()
         self._local_id = next(_local_ids)
         self._name = f"{self._addr}_{os.getpid()}_{self._local_id}"
-        self._state = NodeState(self._name, self._run_id)
+        trust = Trust(secret, keys.round, self._run_id)
+        self._state = NodeState(self._name, self._run_id, trust)
         self._outage = Outage(self._run_id, options.outage_timeout)
         self._parts(client, keys, lease, params, options)
         self._threads: list[threading.Thread] = []
@@ -371,8 +380,9 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         stopped = self._state.stopped
         while not stopped.is_set():
             try:
-                (self._closer.step if self._state.closer else self._follower.step)()
-                self._outage.record(None)
+                step = self._closer.step if self._state.closer else self._follower.step
+                if step():  # etcd answered (not merely a watch that ran out)
+                    self._outage.record(None)
             except REQUEST_ERRORS as exc:
                 if stopped.is_set():
                     return
@@ -389,7 +399,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 def build_announce_handler(
     params: RendezvousParameters, options: RendezvousOptions, client: EtcdClient | None = None
 ) -> AnnounceRendezvousHandler:
-    """The ``announce`` handler and its run storage on one etcd client."""
+    """The ``announce`` handler and its run storage on one etcd client; its records are
+    signed with ``$ELASTIC_SECRET_FILE``'s secret if set (:func:`elastic.secret.shared_secret`)."""
     from datetime import timedelta
 
     from elastic.rendezvous.store import EtcdStore
@@ -400,7 +411,10 @@ def build_announce_handler(
     lease.id()
     store = EtcdStore(client, keys, lease, timeout=timedelta(seconds=options.store_timeout))
     ledger = RunLedger(client, keys, lease)
-    return AnnounceRendezvousHandler(client, keys, lease, store, ledger, params, options)
+    secret = shared_secret()
+    return AnnounceRendezvousHandler(
+        client, keys, lease, store, ledger, params, options, secret=secret
+    )
 
 
 __all__ = ["AnnounceRendezvousHandler", "build_announce_handler"]

@@ -3,6 +3,10 @@
 Training goes on while etcd is unreachable (one warning and an ``etcd.unreachable`` event,
 then ``etcd.reachable`` once it answers again); the agent gives up once the outage has
 lasted past ``outage_timeout``.
+
+Only a request that completed counts as etcd answering (:meth:`Outage.record` with None):
+a keep-alive's reply, a read, a write, a watch event. A watch that merely ran out does
+not: a hung etcd (stopped, not refusing) accepts connections and lets watches run out too.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ class Outage:
         self._since: float | None = None
 
     def record(self, exc: BaseException | None) -> None:
-        """Record an etcd failure (or, with None, a success) of a background request."""
+        """Record an etcd failure of a background request (with None: one that completed
+        with etcd's answer; never call it so for a watch that just ran out)."""
         if exc is None:
             self._ended()
         elif self._since is None:
