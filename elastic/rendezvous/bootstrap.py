@@ -12,6 +12,15 @@ key of an earlier round's process group is ever read again.
 
 If rank 0's agent cannot host it (the announced port was taken meanwhile), its worker
 hosts the store as before; the other ranks are clients either way.
+
+Who can reach it. torch's TCPStore listens on every interface (``*:port``) and has no
+authentication and no bound on what a client stores (torch 2.14: no bind address, no size
+limit among its options). The agent therefore binds the listening socket itself, to the
+address the node announced (``--local-addr``, else its FQDN), and hands it to torch
+(``master_listen_fd``): the store is then reachable only through that address, not through
+the node's other interfaces. Anyone who can reach that address can still write any key of
+any size into it while the round runs: keep the nodes' network to the job (a firewall or
+network policy), as for torch's own stores.
 """
 
 from __future__ import annotations
@@ -54,16 +63,46 @@ class BootstrapStore:
         self._server = None  # the server stops with its last reference
 
 
+def listen_on(addr: str, port: int) -> socket.socket:
+    """A socket listening on ``addr:port`` only (the first address ``addr`` resolves to).
+
+    Raises:
+        OSError: ``addr`` does not resolve, or the port is taken.
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    return socket.create_server(sockaddr, family=family, backlog=socket.SOMAXCONN)
+
+
 def _host(addr: str, port: int, timeout: timedelta) -> TCPStore | None:
     try:
-        return TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timeout)
+        sock = listen_on(addr, port)
+    except OSError as exc:
+        logger.warning(
+            "Could not listen on %s:%d for the bootstrap store (%s); rank 0's worker hosts it.",
+            addr,
+            port,
+            exc,
+        )
+        return None
+    try:
+        server = TCPStore(
+            addr,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=sock.fileno(),
+        )
     except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+        sock.close()
         logger.warning(
             "Could not host the bootstrap store on port %d (%s); rank 0's worker hosts it.",
             port,
             exc,
         )
         return None
+    sock.detach()  # the store owns the socket now, and closes it when it stops
+    return server
 
 
 def wait_listening(addr: str, port: int, timeout: float) -> bool:
@@ -80,4 +119,4 @@ def wait_listening(addr: str, port: int, timeout: float) -> bool:
             time.sleep(_POLL_S)
 
 
-__all__ = ["WAIT_S", "BootstrapStore", "wait_listening"]
+__all__ = ["WAIT_S", "BootstrapStore", "listen_on", "wait_listening"]
