@@ -63,8 +63,14 @@ adds one prefix read when it takes the role, one watch per wake and one publishi
 transaction. Keep-alives are one request per node per ``keep_alive_interval``,
 independent of rounds (counted apart in :attr:`AnnounceRendezvousHandler.keepalives`).
 
-The round key is JSON, never unpickled; whoever can write etcd can still forge a round
-(as with the unsigned single-key state), so protect etcd with TLS and auth.
+Both records are JSON, never unpickled. With a job secret (``$ELASTIC_SECRET_FILE``, the
+same file on every node) each is signed (:class:`.records.Trust`: HMAC-SHA256 over the key
+and every field, the bootstrap address and port and ``closed`` included): a member key
+written without the secret gets no rank (one warning and an ``rdzv.untrusted`` event per
+key), and a round not signed by the job is refused (read as no round), so a forged
+``closed`` flag ends nothing. Without a secret everything works as before, unsigned, and
+whoever can write etcd can join or forge a round: protect etcd with TLS and auth either way
+(a writer can still delete keys, or replay an older signed record of the same key).
 
 The modules, one concept each: :mod:`.records` (the two records, decoded once),
 :mod:`.policy` (the closer's rules and the agent's question, pure), :mod:`.state` (what a
