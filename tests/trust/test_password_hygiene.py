@@ -28,12 +28,15 @@ while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
 """
 
 # Takes the password as the agent does, makes the workers' password file, prints its path
-# and waits for stdin to close.
+# and what a child of it (a worker: the same user, a fresh process) reads there, and waits
+# for stdin to close.
 HOLDER = """
-import sys
+import subprocess, sys
 from elastic import credentials
 credentials.take_password_from_env()
-print(credentials.password_file(credentials.password_from_env() or ""), flush=True)
+path = credentials.password_file(credentials.password_from_env() or "")
+read = subprocess.run(["cat", path], capture_output=True, text=True)
+print(path, read.stdout.strip() or "-", flush=True)
 sys.stdin.read()
 """
 
@@ -117,7 +120,8 @@ def test_the_wipe_needs_no_privilege_and_the_password_file_dies_with_its_process
     proc = _holder(_as_nobody() if who == "uid 65534" else [])
     try:
         assert proc.stdout is not None
-        path = proc.stdout.readline().strip()
+        path, worker_read = proc.stdout.readline().split()
+        assert worker_read == PASSWORD, "a child of the holder cannot read the password file"
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
         assert PASSWORD.encode() not in environ and b"KEEP_ME=1" in environ
         assert path.startswith(f"/proc/{proc.pid}/fd/"), path
