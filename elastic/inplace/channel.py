@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 DIRECTORY = nodelocal.DEFAULT_BASE
 POLL_S = 0.005
+# A collective of the old group still waiting this long once a newer round is formed is
+# taken as stuck on a gone peer (a healthy gloo all-reduce of a CNN takes milliseconds).
+STUCK_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -173,11 +176,21 @@ def remove_orphans(directory: str = DIRECTORY) -> int:
 
 class Watcher:
     """A worker's thread that follows the agent's file and calls ``on_abort`` once for each
-    round whose assignment says a peer is gone."""
+    round whose assignment says a peer is gone, or once a newer round is formed while a
+    collective of the old group still waits :data:`STUCK_S` later (``in_flight_since``): a
+    peer whose agent stayed, but whose worker died, looks like a join to the other agents,
+    and the old group's collective would wait on it for good."""
 
-    def __init__(self, prefix: str | os.PathLike[str], on_abort: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        prefix: str | os.PathLike[str],
+        on_abort: Callable[[str], None],
+        in_flight_since: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.prefix = prefix
         self._on_abort = on_abort
+        self._in_flight_since = in_flight_since
+        self._formed_at: tuple[int, float] | None = None  # (round, when first seen formed)
         self._cond = threading.Condition()
         self._newest: Assignment | None = read_assignment(prefix)
         self._aborted_round = -1
@@ -200,6 +213,7 @@ class Watcher:
     def _loop(self) -> None:
         path = paths(self.prefix)[0]
         while not self._stop.wait(POLL_S):
+            self._check_stuck()
             try:
                 st = path.stat()
             except OSError:
@@ -227,6 +241,27 @@ class Watcher:
             self._on_abort("this node leaves the job")
         elif fire:
             self._on_abort(f"the agent is forming round {got.round} without a lost peer")
+
+    def _check_stuck(self) -> None:
+        """Abort a collective that has waited :data:`STUCK_S` while a newer round is formed."""
+        now = time.monotonic()
+        with self._cond:
+            newest = self._newest
+            if newest is None or newest.pending or newest.round <= self._joined_round:
+                self._formed_at = None
+                return
+            if self._formed_at is None or self._formed_at[0] != newest.round:
+                self._formed_at = (newest.round, now)
+                return
+            since = self._in_flight_since()
+            waited = now - max(since or now, self._formed_at[1])
+            if since is None or waited < STUCK_S or newest.round <= self._aborted_round:
+                return
+            self._aborted_round = newest.round
+        self._on_abort(
+            f"round {newest.round} is formed and a collective of the old group has waited "
+            f"{waited:.1f} s since (a peer's worker is gone)"
+        )
 
     def wait_for(self, after: int, timeout: float) -> Assignment | None:
         """The first complete assignment of a round newer than ``after``; None on timeout."""

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ class StepGuard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[torch.futures.Future[Any], Any]] = {}
+        self._started: dict[int, float] = {}  # monotonic start time of each pending collective
         self.failure: str | None = None  # why this step failed; None while it is fine
         self.aborted: str | None = None  # the agent's abort, until the group re-forms
         # optimizer.step() ran in this step: its all-reduce had succeeded, so the step is
@@ -54,7 +56,7 @@ class StepGuard:
         """A new group: nothing failed, nothing pending."""
         with self._lock:
             self.failure = self.aborted = None
-            self._pending = {}
+            self._pending, self._started = {}, {}
             self.committed = False
             self._generation += 1
 
@@ -70,10 +72,15 @@ class StepGuard:
         """Release every collective in flight and skip the rest until :meth:`reset`."""
         with self._lock:
             self.aborted = reason
-            pending, self._pending = self._pending, {}
+            pending, self._pending, self._started = self._pending, {}, {}
         self.fail(reason)
         for out, fallback in pending.values():
             _complete(out, fallback)
+
+    def in_flight_since(self) -> float | None:
+        """When the oldest collective still in flight started (``time.monotonic()``)."""
+        with self._lock:
+            return min(self._started.values(), default=None)
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -86,6 +93,7 @@ class StepGuard:
             skip = self.aborted is not None
             if not skip:
                 self._pending[id(out)] = (out, fallback)
+                self._started[id(out)] = time.monotonic()
         if skip:
             out.set_result(fallback)
             return out
@@ -98,6 +106,7 @@ class StepGuard:
                 value = fallback
             with self._lock:
                 self._pending.pop(id(out), None)
+                self._started.pop(id(out), None)
             _complete(out, value)
 
         fut.add_done_callback(done)

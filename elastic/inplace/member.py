@@ -43,7 +43,7 @@ class Member:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.guard = StepGuard()
-        self.watcher = Watcher(prefix, self.guard.abort)
+        self.watcher = Watcher(prefix, self.guard.abort, self.guard.in_flight_since)
         self.assignment: Assignment | None = None
         self._ready: tuple[int, Any] | None = None  # (round, its store client)
         # Known to the agent from now on: a newer round reaches us even mid-join.

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from elastic import nodelocal
 from elastic.inplace import channel
@@ -99,3 +102,30 @@ def test_channel_files_live_in_the_agents_private_directory(tmp_path: Path) -> N
     for folder in (prefix.parent, prefix.parent.parent):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE(channel.paths(prefix)[0].stat().st_mode) == 0o600
+
+
+def test_a_collective_stuck_on_the_old_group_is_aborted_once_a_newer_round_formed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer whose agent stayed but whose worker died looks like a join to the others: the
+    old group's collective would wait on it for good, so the watcher aborts it."""
+    monkeypatch.setattr(channel, "STUCK_S", 0.2)
+    prefix = tmp_path / "ch"
+    channel.write_assignment(prefix, Assignment(1, rank=0, world_size=2))
+    aborts: list[str] = []
+    in_flight: list[float | None] = [None]
+    watcher = Watcher(prefix, aborts.append, lambda: in_flight[0])
+    try:
+        watcher.joined(1)
+        channel.write_assignment(prefix, Assignment(2, rank=0, world_size=2))  # a "join"
+        time.sleep(0.5)  # longer than STUCK_S: the watcher must stay quiet
+        assert aborts == [], "no collective in flight: nothing to abort"
+        in_flight[0] = time.monotonic()  # one starts and never ends
+        deadline = time.monotonic() + 5
+        while not aborts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(aborts) == 1 and "round 2 is formed" in aborts[0], aborts
+        time.sleep(0.3)
+        assert len(aborts) == 1, "once per round"
+    finally:
+        watcher.close()
