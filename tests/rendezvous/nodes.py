@@ -95,3 +95,10 @@ def per_algorithm(cluster: Cluster, request: pytest.FixtureRequest) -> Cluster:
 
     cluster.start = start_with  # type: ignore[method-assign]
     return cluster
+
+
+def announce_only(request: pytest.FixtureRequest, why: str) -> None:
+    """Skip the single-key run of a test of what only announce does: single-key is torch's
+    stock handler (elastic.rendezvous.handler), which ``why``."""
+    if request.node.callspec.params.get("cluster") == SINGLE_KEY:
+        pytest.skip(f"single-key is torch's own handler, which {why}")

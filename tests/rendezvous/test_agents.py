@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import EtcdServer, free_port
-from elastic.rendezvous.options import ALGORITHMS, SINGLE_KEY
+from elastic.rendezvous.options import ALGORITHMS
 from tests.helpers import wait_until
-from tests.rendezvous.nodes import Cluster, per_algorithm
+from tests.rendezvous.nodes import Cluster, announce_only, per_algorithm
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +84,7 @@ def test_a_killed_agent_is_removed_before_its_heartbeats_could_expire(
     """Heartbeats here expire 40-60 s after a kill (20 s x 3, the last beat up to 20 s old);
     a refused probe port must remove the dead node well before that (elastic.rendezvous.liveness).
     """
-    if request.node.callspec.params["cluster"] == SINGLE_KEY:
-        pytest.skip("single-key is torch's own handler: it waits for heartbeat expiry")
+    announce_only(request, "has no probe port and waits for heartbeat expiry")
     conf = "join_timeout=90,last_call_timeout=1,keep_alive_interval=20,keep_alive_max_attempt=3"
     nodes = [cluster.start(n, etcd.endpoint, run_id, "1:2", conf=conf) for n in "ab"]
     formed = wait_until(lambda: len(cluster.formed(2)) == 2 and cluster.formed(2), 90, "2 ranks")

@@ -12,7 +12,7 @@ import pytest
 from elastic.etcd.server import EtcdServer, free_port, start_cluster
 from elastic.rendezvous.options import ALGORITHMS
 from tests.helpers import agent_argv, run_process, wait_until
-from tests.rendezvous.nodes import WORKER, Cluster, per_algorithm
+from tests.rendezvous.nodes import WORKER, Cluster, announce_only, per_algorithm
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +46,9 @@ def test_member_killed_mid_rendezvous_fails_over(
 
 
 def test_agents_ride_out_an_etcd_restart(
-    cluster: Cluster, own_etcd: EtcdServer, run_id: str
+    cluster: Cluster, own_etcd: EtcdServer, run_id: str, request: pytest.FixtureRequest
 ) -> None:
+    announce_only(request, "drops every node after an outage longer than the heartbeat window")
     nodes = [cluster.start(n, own_etcd.endpoint, run_id, "2:3") for n in "ab"]
     wait_until(lambda: len(cluster.formed(2)) == 2, 90, "2 ranks")
     own_etcd.stop(signal.SIGKILL)
@@ -63,8 +64,9 @@ def test_agents_ride_out_an_etcd_restart(
 
 
 def test_training_rides_out_an_etcd_outage_longer_than_the_request_timeout(
-    cluster: Cluster, own_etcd: EtcdServer, run_id: str
+    cluster: Cluster, own_etcd: EtcdServer, run_id: str, request: pytest.FixtureRequest
 ) -> None:
+    announce_only(request, "has none of our outage riding (outage_timeout)")
     conf = "profile=fast-failover,join_timeout=60,request_timeout=2,outage_timeout=120"
     nodes = [cluster.start(n, own_etcd.endpoint, run_id, "2", conf=conf) for n in "ab"]
     wait_until(lambda: len(cluster.formed(2)) == 2, 90, "2 ranks")
