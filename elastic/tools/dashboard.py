@@ -355,24 +355,29 @@ def page(run_id: str) -> str:
     )
 
 
-def allowed_hosts(bound: str, port: int, names: Iterable[str] = ()) -> frozenset[str]:
-    """The ``Host`` header values a dashboard on ``bound:port`` answers: the loopback names,
-    the bound address and ``names`` (each with ``:port``; bare too on port 80; a name given
-    with its own port as it is), lower-case. Anything else may be a DNS-rebinding page."""
-    out: set[str] = set()
-    for name in ("127.0.0.1", "localhost", "[::1]", bound, *names):
-        name = name.strip().lower()
-        if not name or name in ("0.0.0.0", "::"):
-            continue
-        if name.count(":") > 1 and not name.startswith("["):
-            name = f"[{name}]"  # a bare IPv6 address
-        if name.rpartition(":")[2].isdigit() and not name.endswith("]"):
-            out.add(name)
-            continue
-        out.add(f"{name}:{port}")
-        if port == 80:
-            out.add(name)
-    return frozenset(out)
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def _normal(name: str) -> str:
+    name = name.strip().lower().rstrip(".")
+    return f"[{name}]" if name.count(":") > 1 and not name.startswith("[") else name
+
+
+def allowed_hosts(bound: str, names: Iterable[str] = ()) -> frozenset[str]:
+    """The host names a dashboard bound to ``bound`` answers for: the loopback names, the
+    bound address and ``names``, lower-case (a bare IPv6 address in brackets). Any port
+    goes with them (a container's published port is not the one it listens on); other
+    names, a DNS-rebinding page's own among them, are refused."""
+    out = {_normal(n) for n in (*LOOPBACK_NAMES, bound, *names)}
+    return frozenset(out - {"", "0.0.0.0", "[::]"})
+
+
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header, without its port, as :func:`allowed_hosts` writes it."""
+    value = header.strip().lower()
+    if value.startswith("["):
+        return value.partition("]")[0] + "]"
+    return _normal(value.partition(":")[0])
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -381,9 +386,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         dashboard = self.server.dashboard
-        host = (self.headers.get("Host") or "").strip().lower()
-        if host not in self.server.allowed_hosts():
-            self._refuse(host)
+        host = self.headers.get("Host") or ""
+        if host_name(host) not in self.server.allowed:
+            self._refuse(host.strip())
             return
         try:
             if path in ("/", "/index.html"):
@@ -433,15 +438,12 @@ class _Server(ThreadingHTTPServer):
     ) -> None:
         self.dashboard = dashboard
         self.names = tuple(names)
+        self.allowed = allowed_hosts(address[0], self.names)
         super().__init__(address, _Handler)
-        self._allowed = allowed_hosts(address[0], self.port, self.names)
 
     @property
     def port(self) -> int:
         return int(self.server_address[1])
-
-    def allowed_hosts(self) -> frozenset[str]:
-        return self._allowed
 
 
 @dataclass
@@ -481,8 +483,9 @@ def serve(
     """Serve ``dashboard`` on ``host:port`` (0: a free port) in a daemon thread.
 
     Only requests whose ``Host`` header names this server are answered
-    (:func:`allowed_hosts`: the loopback names, ``host``, and ``allow_hosts``); others get
-    421, so that a web page that rebinds its own name to 127.0.0.1 cannot read the status.
+    (:func:`allowed_hosts`: the loopback names, ``host``, and ``allow_hosts``, with any
+    port); others get 421, so that a web page that rebinds its own DNS name to 127.0.0.1
+    cannot read the status.
     """
     try:
         server = _Server((host, port), dashboard, allow_hosts)
@@ -501,4 +504,13 @@ def serve(
     return Served(server, thread, dashboard)
 
 
-__all__ = ["Dashboard", "EventTail", "Served", "Summary", "allowed_hosts", "page", "serve"]
+__all__ = [
+    "Dashboard",
+    "EventTail",
+    "Served",
+    "Summary",
+    "allowed_hosts",
+    "host_name",
+    "page",
+    "serve",
+]
