@@ -114,6 +114,14 @@ def _parser() -> argparse.ArgumentParser:
     dash.add_argument("--checkpoint-url", help="where the run writes checkpoints")
     dash.add_argument("--host", default="127.0.0.1", help="address to serve on")
     dash.add_argument("--port", type=int, default=8080, help="0: any free port")
+    dash.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests that name this host (with --host 0.0.0.0, the name or "
+        "address browsers use); repeatable",
+    )
 
     chaos = sub.add_parser("chaos", help=chaos_command.HELP, allow_abbrev=False)
     chaos_command.add_arguments(chaos)
@@ -218,7 +226,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         checkpoint_url=args.checkpoint_url,
         secret=state_secret(),
     )
-    server = serve(dashboard, args.host, args.port)
+    server = serve(dashboard, args.host, args.port, allow_hosts=args.allow_host)
     print(f"dashboard of run {args.run_id}: {server.url} (Ctrl-C stops)", flush=True)
     try:
         server.thread.join()
