@@ -25,6 +25,7 @@ network policy), as for torch's own stores.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import time
@@ -66,11 +67,43 @@ class BootstrapStore:
 def listen_on(addr: str, port: int) -> socket.socket:
     """A socket listening on ``addr:port`` only (the first address ``addr`` resolves to).
 
+    A host name that resolves to loopback here but is no loopback name (Debian maps the
+    host's own name to 127.0.1.1 in /etc/hosts, while the other nodes reach it through
+    DNS) would shut them out: then every interface, with a warning to set --local-addr.
+
     Raises:
         OSError: ``addr`` does not resolve, or the port is taken.
     """
     family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    if ipaddress.ip_address(sockaddr[0]).is_loopback and not _loopback_name(addr):
+        logger.warning(
+            "The node's address %s resolves to %s here; the bootstrap store listens on every "
+            "interface. Start the agent with --local-addr set to an address the other nodes "
+            "reach to keep it off the others.",
+            addr,
+            sockaddr[0],
+        )
+        return _everywhere(port)
     return socket.create_server(sockaddr, family=family, backlog=socket.SOMAXCONN)
+
+
+def _everywhere(port: int) -> socket.socket:
+    """A socket listening on ``port`` of every interface (dual-stack where possible)."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(
+            ("::", port), family=socket.AF_INET6, backlog=socket.SOMAXCONN, dualstack_ipv6=True
+        )
+    return socket.create_server(("", port), backlog=socket.SOMAXCONN)
+
+
+def _loopback_name(addr: str) -> bool:
+    """Whether ``addr`` is itself a loopback address or ``localhost``."""
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
 
 
 def _host(addr: str, port: int, timeout: timedelta) -> TCPStore | None:
