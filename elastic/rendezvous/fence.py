@@ -35,7 +35,7 @@ from dataclasses import InitVar, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic import env
+from elastic import credentials, env
 from elastic.errors import CheckpointError, ConfigError
 from elastic.etcd.client import (
     EtcdClient,
@@ -92,7 +92,16 @@ def publish_round(client: EtcdClient, keys: RunKeys, round_: int, lease: int = 0
 
 
 def _password_file(password: str) -> str:
-    """Write ``password`` into a 0600 file in a private temporary directory (once per process)."""
+    """A file the workers read ``password`` from: a sealed memory file of this process (gone
+    with it, even after a kill -9; :func:`elastic.credentials.password_file`), else a 0600
+    file in a private temporary directory (once per process), removed at exit."""
+    try:
+        return credentials.password_file(password)
+    except OSError:  # no memfd_create here
+        return _password_temp_file(password)
+
+
+def _password_temp_file(password: str) -> str:
     with _password_lock:
         path = _password_files.get(password)
         if path is not None and os.path.exists(path):

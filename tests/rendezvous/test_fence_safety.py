@@ -132,8 +132,10 @@ def test_the_spec_and_the_environment_never_hold_the_password(
     assert "hunter2" not in repr(spec) and "hunter2" not in spec.to_env()
     assert spec.password_file is not None
     path = Path(spec.password_file)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    # A sealed memory file of this process (gone with it, even after a kill -9), 0600.
+    assert str(path).startswith(f"/proc/{os.getpid()}/fd/"), path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert path.read_text() == "hunter2-secret"
     assert FenceSpec.for_run(options, RunKeys(PREFIX, run_id), 5).password_file == str(path)
     back = FenceSpec.from_env({env.FENCE: spec.to_env()})
     assert back == spec
