@@ -42,6 +42,10 @@ class RecoveryError(ElasticError):
     """Represents a training state that cannot be snapshotted, exchanged or restored."""
 
 
+class RequestTooLargeError(ElasticError):
+    """Represents an etcd request over its ``--max-request-bytes`` limit (1.5 MiB by default)."""
+
+
 class StoreError(ElasticError):
     """Represents a c10d store operation etcd refused, such as a value over its size limit."""
 
@@ -53,5 +57,6 @@ __all__ = [
     "EtcdConnectionError",
     "EtcdStateError",
     "RecoveryError",
+    "RequestTooLargeError",
     "StoreError",
 ]

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 KINDS: Mapping[str, str] = MappingProxyType(
     {
-        # agents (elastic.rendezvous.handler and .announce, elastic.agent.node)
+        # agents (elastic.rendezvous.announce, elastic.agent.node)
         "rdzv.round": "an agent completed a rendezvous round: round, node, rank, world_size",
         "rdzv.untrusted": "a member key not signed by the job's secret was given no rank: node",
         "rdzv.dropped": "an agent is no longer a participant of its round (outage, missed "

@@ -6,9 +6,9 @@ A *re-form* is a change of membership that is not a failure: it costs no restart
    workers; ours finish the current step, save with their peers and exit :data:`OK`
    (:mod:`elastic.training.worker`). Their peers see the group stop early and exit
    :data:`EXIT_CODE`. The leaving agent removes its node from the rendezvous at once
-   (:meth:`elastic.rendezvous.handler.EtcdRendezvousHandler.leave`).
+   (:meth:`elastic.rendezvous.contract.MembershipHandler.leave`).
 2. **A changed round.** The surviving agents ask their handler for a
-   :meth:`~elastic.rendezvous.handler.EtcdRendezvousHandler.membership_change` every
+   :meth:`~elastic.rendezvous.contract.MembershipHandler.membership_change` every
    monitor tick: a joiner waiting, a peer gone (crash, cut link, left), or this node dropped.
 3. **Restart without spending the budget.** A worker group whose every failure is
    :data:`EXIT_CODE` re-runs the rendezvous without counting a failure

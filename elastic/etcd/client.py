@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from elastic.errors import ConfigError, ElasticError, EtcdConnectionError
+from elastic.errors import ConfigError, EtcdConnectionError, RequestTooLargeError
 
 try:
     from etcd3 import etcdrpc
@@ -252,10 +252,6 @@ class WatchHandle:
 
 # What a request may raise: etcd out of reach past the retry budget, or a refusal by etcd.
 REQUEST_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, grpc.RpcError)
-
-
-class RequestTooLargeError(ElasticError):
-    """etcd refused a request over its ``--max-request-bytes`` limit (1.5 MiB by default)."""
 
 
 class EtcdClient:

@@ -1,8 +1,9 @@
 """The seam between the node agent and our rendezvous handlers: what each side may ask.
 
 The agent (:class:`elastic.agent.node.NodeAgent`) drives torch's rendezvous through
-``next_rendezvous()``; on top of that it asks our handlers (the announce handler and the
-single-key one) the questions below. Everything crosses here, typed, and nothing through
+``next_rendezvous()``; on top of that it asks our handler (the announce one; torch's stock
+handler under ``single-key`` answers none of them, and the agent then acts as torch's) the
+questions below. Everything crosses here, typed, and nothing through
 ``os.environ``: the commit fence of the round just joined is :meth:`MembershipHandler.fence`,
 which the agent hands to its workers in their environment (and, in place, over the channel).
 """
@@ -37,7 +38,7 @@ class MembershipChange:
 
 @runtime_checkable
 class MembershipHandler(Protocol):
-    """What the agent asks of our handlers (single-key and announce), besides torch's own.
+    """What the agent asks of our handler (announce), besides torch's own.
 
     ``hosts_round_store``: whether each round's bootstrap store outlives the round's first
     process group, so running workers can form the next round's group through it (the

@@ -1,9 +1,9 @@
 """The ``announce`` rendezvous: one key per node, one closer, O(1) etcd requests per node.
 
-Chosen with ``--rdzv-conf algorithm=announce`` (the default). The ``single-key`` handler
-(:mod:`elastic.rendezvous.handler`) keeps every node's join and heartbeat in one pickled
-key updated by compare-and-set: N joiners and N heartbeating nodes race on one key, so a
-round costs O(N) writes per node. Here:
+Chosen with ``--rdzv-conf algorithm=announce`` (the default). ``single-key`` (torch's stock
+handler on our backend, :mod:`elastic.rendezvous.handler`) keeps every node's join and
+heartbeat in one pickled key updated by compare-and-set: N joiners and N heartbeating nodes
+race on one key, so a round costs O(N) writes per node. Here:
 
 * **Announce.** A node joining a round writes its own key
   ``<prefix>/<run>/announce/members/<node>`` (JSON: address, pid, probe port, a bootstrap
@@ -15,8 +15,7 @@ round costs O(N) writes per node. Here:
   closer. It reads the members once, then follows them with one prefix watch. Once
   ``min_nodes`` are ready and the last call has passed (or ``max_nodes`` are ready, or
   the round only re-forms the previous one and all its live members, and the newcomers
-  it named in ``joining``, are back: the early close, as :mod:`elastic.rendezvous.rounds`
-  does for single-key), it publishes
+  it named in ``joining``, are back: the early close), it publishes
   ``<prefix>/<run>/announce/round`` (JSON: round, members -> rank, rank 0's address
   and bootstrap port, where its agent hosts the round's bootstrap store:
   :mod:`elastic.rendezvous.bootstrap`) in one transaction, fenced by the round key's
