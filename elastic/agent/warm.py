@@ -1,8 +1,8 @@
 """Warm worker starts: fork our CNN worker from a server that has already imported torch.
 
-A fresh worker process spends 2-3 s (on a loaded 2-core machine, up to 25 s)
-starting Python and importing torch and torchvision: measured, that was 48-83 %
-of the time from a crash to the next training step. The agent instead starts
+A fresh worker process spends seconds starting Python and importing torch and
+torchvision, most of the time from a crash to the next training step (the figures:
+docs/benchmarks.md). The agent instead starts
 Python's ``forkserver`` once, when it starts, and has it import the worker and
 everything it needs (:data:`PRELOAD`) while the rendezvous runs. Every worker,
 first or restarted, is then a ``fork()`` of that server: a few milliseconds.

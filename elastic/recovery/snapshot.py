@@ -586,11 +586,10 @@ def _data_offset(meta_len: int) -> int:
 def _overlap_helps() -> bool:
     """Copy in a background thread unless ``$ELASTIC_SNAPSHOT_BACKGROUND=0``.
 
-    Measured on a 2-core CPU box (bench/throughput.py --snapshot, ResNet-18, 89.5 MB):
-    the memory bandwidth is the limit (~2.8 GB/s, 30-40 ms a copy); a background copy
-    and a copy on the training thread both cost about that much of each ~100 ms step,
-    with run-to-run spread larger than their difference. Overlap pays where a core or a
-    DMA engine is idle (GPUs, many-core hosts).
+    On a CPU box the memory bandwidth is the limit: a background copy and a copy on the
+    training thread cost about the same share of a step (``bench/throughput.py
+    --snapshot``; figures in docs/benchmarks.md). Overlap pays where a core or a DMA
+    engine is idle (GPUs, many-core hosts).
     """
     return os.environ.get(BACKGROUND_ENV, "1").strip() != "0"
 

@@ -2,13 +2,12 @@
 group through, hosted by rank 0's agent.
 
 Without it, rank 0's *worker* hosts that store, and a worker of another rank that asks
-before it listens is refused and backs off: about 0.5 s in torch 2.14 (measured: a
-client 50 ms early waited 0.52 s), added to every re-form in which a non-zero rank's
-worker starts first. Here rank 0's agent starts the store as soon as it learns its rank,
-before any worker starts, and the other agents wait (briefly) until it accepts
-connections before starting theirs; the workers of every rank are then its clients
-(torch elastic's ``TORCHELASTIC_USE_AGENT_STORE``). A new round gets a new store, so no
-key of an earlier round's process group is ever read again.
+before it listens is refused and backs off (about half a second in torch 2.14), added to
+every re-form in which a non-zero rank's worker starts first. Here rank 0's agent starts
+the store as soon as it learns its rank, before any worker starts, and the other agents
+wait (briefly) until it accepts connections before starting theirs; the workers of every
+rank are then its clients (torch elastic's ``TORCHELASTIC_USE_AGENT_STORE``). A new round
+gets a new store, so no key of an earlier round's process group is ever read again.
 
 If rank 0's agent cannot host it (the announced port was taken meanwhile), its worker
 hosts the store as before; the other ranks are clients either way.
