@@ -73,7 +73,10 @@ MIN_KEEP_ALIVE_WINDOW_S = 3
 SINGLE_KEY = "single-key"
 ANNOUNCE = "announce"
 ALGORITHMS = (SINGLE_KEY, ANNOUNCE)
-_IGNORED = frozenset({"timeout", "rank"})  # set by torch's launcher for every backend
+# Set by torch's launcher for every backend ("timeout", "rank"), or torch's own c10d options
+# its tests and recipes pass to any backend ("is_host": whether this node hosts the c10d
+# TCPStore; ours lives in etcd, and each round's bootstrap store is rank 0's agent's).
+_IGNORED = frozenset({"timeout", "rank", "is_host"})
 
 
 @dataclass(frozen=True)

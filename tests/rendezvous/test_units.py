@@ -136,3 +136,9 @@ def test_the_password_comes_from_a_file_or_the_environment_never_stays_there(
     credentials.take_password_from_env()
     assert "ELASTIC_ETCD_PASSWORD" not in os.environ, "children would inherit it"
     assert RendezvousOptions.parse({"user": "u"}).password == "from-env"
+
+
+def test_torchs_own_c10d_options_are_accepted_and_ignored() -> None:
+    """torch's local_elastic_agent tests and recipes pass ``is_host`` to any backend."""
+    opts = RendezvousOptions.parse({"is_host": "true", "timeout": "30", "rank": "0"})
+    assert opts == RendezvousOptions.parse({})
