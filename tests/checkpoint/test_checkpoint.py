@@ -42,14 +42,6 @@ RUN = "r"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(autouse=True)
-def _private_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep the generated signing secret of these local runs out of the user's home."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    for name in ("ELASTIC_SECRET_FILE", "ELASTIC_FENCE", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def _state(value: float) -> dict:
     return {
         "model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},

@@ -42,14 +42,6 @@ RUN = "r"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(autouse=True)
-def _private_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A local run: the generated signing secret lives under tmp_path, not in the home."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    for name in ("ELASTIC_SECRET_FILE", "ELASTIC_FENCE", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture
 def url(tmp_path: Path) -> str:
     return str(tmp_path / "ckpt")
