@@ -126,70 +126,89 @@ class Run:
         self.checkpoint_every = checkpoint_every
         self.global_batch_size = global_batch_size
         self._loader: Any = None
-        self._member = Member.from_env()
-        joined: Assignment | None = None
-        if self._member is not None:
-            self._member.guard.install(model, optimizer, scheduler)
-            joined = self._member.join()[0]
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
         self.step, self.epoch, self.consumed = 0, 0, 0
         self.resumed_from = "fresh"
         self.received_bytes = 0
         self.reforms = 0  # in-place re-forms this process took part in
+        self._join_group()
+        self._configure_checkpoints(checkpoint, checkpoint_url, checkpoint_every, keep_last)
+        self._init_from = init_from or getattr(checkpoint, "init_from", None)
+        self._make_snapshots(snapshot_dir)
+        self._reset_loop_state()
+        self._install_signals()
+        self._start()
+
+    def _join_group(self) -> None:
+        """Where this rank trains: the job's group, joined in place when the agent offers
+        it (``elastic.init_process_group``), else the one the script formed, or none."""
+        self._member = Member.from_env()
+        joined: Assignment | None = None
+        if self._member is not None:
+            self._member.guard.install(self.model, self.optimizer, self.scheduler)
+            joined = self._member.join()[0]
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
         self._round_of_state = -1  # the round whose group produced the live state
         self._ctl = self._control_group() if self.distributed else None
         self._fence = _fence_from_env(joined.fence if joined is not None else None)
         self._round = joined.round if joined is not None else _round_of(self._fence)
-        self._checkpoints = None
+
+    def _configure_checkpoints(
+        self, checkpoint: Any, url: str | os.PathLike[str] | None, every: int, keep_last: int
+    ) -> None:
+        """The checkpoint settings (``checkpoint=`` wins over the plain arguments) and, off
+        the in-place path, the manager (in place it is made with each group)."""
+        self._checkpoints: Any = None
         self._ckpt_cfg: Any = checkpoint if checkpoint is None or checkpoint.enabled else None
-        self._init_from = init_from or getattr(checkpoint, "init_from", None)
         if checkpoint is not None:
             self.checkpoint_every = checkpoint.interval
-        elif checkpoint_url is not None:
+        elif url is not None:
             from elastic.checkpoint.config import CheckpointConfig
 
-            self._ckpt_cfg = CheckpointConfig(
-                url=str(checkpoint_url), interval=checkpoint_every, keep_last=keep_last
-            )
-        if self._ckpt_cfg is not None and self._member is None:  # in place: _on_new_group
+            self._ckpt_cfg = CheckpointConfig(url=str(url), interval=every, keep_last=keep_last)
+        if self._ckpt_cfg is not None and self._member is None:
             self._checkpoints = self._checkpoint_manager()
+
+    def _make_snapshots(self, directory: str) -> None:
         local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
-        self._store = SnapshotStore(self.run_id, local_rank, directory=snapshot_dir)
+        self._store = SnapshotStore(self.run_id, local_rank, directory=directory)
         self._jit = StepSnapshots(
             self._store,
-            optimizer,
+            self.optimizer,
             self.state,
             self._advance,
-            snapshot_every,
+            self.snapshot_every,
             self._round,
-            model=model,
+            model=self.model,
             extra=self._extra,
         )
         self._snapshots = self._jit.snapshotter
+
+    def _reset_loop_state(self) -> None:
         self._in_batches = False
         self._stop = False
         self._signalled = False
         self._reform_only = False  # our agent stops us to re-form (elastic.reform)
         self._persist_on_stop = True
         self._previous: dict[int, Any] = {}
-        self._install_signals()
         self._last_saved = -1
         self._last_step_at = time.perf_counter()
         self._batch = 0
         self._loss = torch.zeros(2, dtype=torch.float64)  # this step's (sum, weight)
         self.loss: float | None = None  # the group's mean loss of the last step
+
+    def _start(self) -> None:
+        """Resume: in place, join the group's state; else the usual resume."""
         if self._member is not None:
             self._on_new_group()
-        if self._checkpoints is not None and self._member is None:
+            self._sync_state(live=False)
+            return
+        if self._checkpoints is not None:
             # An unwritable URL: one sentence, at start (a collective: every rank starts
             # here together, unlike a joiner in place, whose peers are mid-run).
             self._checkpoints.check_storage()
-        if self._member is not None:
-            self._sync_state(live=False)
-        else:
-            self._resume()
+        self._resume()
 
     def _control_group(self) -> dist.ProcessGroup | None:
         """Our collectives' group: the job's own when in place (it is swapped on each
