@@ -15,9 +15,10 @@ Its modules: :mod:`~elastic.chaos.plan` (the kinds, a run's options, the seeded 
 :mod:`~elastic.chaos.fault` (one fault's record), :mod:`~elastic.chaos.job` (the local job
 under test), :mod:`~elastic.chaos.observers` (the event log, storage and etcd, each fault's
 recovery), :mod:`~elastic.chaos.injectors` (the faults), :mod:`~elastic.chaos.stale` (the
-stale writer's process), :mod:`~elastic.chaos.reference` (the fault-free run),
-:mod:`~elastic.chaos.invariants` (the checks), :mod:`~elastic.chaos.report` (the result),
-:mod:`~elastic.chaos.run` (one run) and :mod:`~elastic.chaos.command` (``elastic chaos``).
+stale writer's process), :mod:`~elastic.chaos.rogue` (the rogue member key),
+:mod:`~elastic.chaos.reference` (the fault-free run), :mod:`~elastic.chaos.invariants` (the
+checks), :mod:`~elastic.chaos.report` (the result), :mod:`~elastic.chaos.run` (one run) and
+:mod:`~elastic.chaos.command` (``elastic chaos``).
 """
 
 from __future__ import annotations

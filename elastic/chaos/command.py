@@ -22,13 +22,43 @@ HELP = "a seeded fault schedule against a local job, then checks"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``elastic chaos``."""
+    from elastic.chaos.plan import KINDS
+
     parser.add_argument("--minutes", type=float, default=10.0, help="how long faults are injected")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
     parser.add_argument("--every", type=float, default=120.0, help="mean seconds between faults")
-    parser.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
+    parser.add_argument(
+        "--kinds",
+        type=kind_list,
+        default="",
+        metavar="KIND[,KIND...]",
+        help=f"comma-separated fault kinds (default: all), of: {', '.join(KINDS)}",
+    )
     parser.add_argument("--agents", type=int, default=3, help="agents at the start (2-4)")
+    parser.add_argument(
+        "--no-secret",
+        action="store_true",
+        help="run the job without a secret (unsigned records; rogue_member is skipped)",
+    )
     parser.add_argument("--json-only", action="store_true", help="print only the JSON report")
+
+
+def kind_list(text: str) -> list[str]:
+    """``--kinds``: comma-separated names of :data:`~elastic.chaos.plan.KINDS`.
+
+    Raises:
+        argparse.ArgumentTypeError: a name is no fault kind.
+    """
+    from elastic.chaos.plan import KINDS
+
+    kinds = [k for k in text.split(",") if k]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault kinds {', '.join(unknown)}; choose from {', '.join(KINDS)}"
+        )
+    return kinds
 
 
 def options(args: argparse.Namespace) -> ChaosOptions:
@@ -41,7 +71,8 @@ def options(args: argparse.Namespace) -> ChaosOptions:
         runs_dir=args.runs_dir,
         every_s=args.every,
         agents=args.agents,
-        kinds=[k for k in args.kinds.split(",") if k] or None,
+        kinds=args.kinds or None,
+        secret=not args.no_secret,
         say=(lambda line: None)
         if args.json_only
         else (lambda line: print(line, file=sys.stderr, flush=True)),
@@ -73,4 +104,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return command(parser.parse_args(argv))
 
 
-__all__ = ["HELP", "add_arguments", "command", "main", "options"]
+__all__ = ["HELP", "add_arguments", "command", "kind_list", "main", "options"]

@@ -1,6 +1,7 @@
 """The faults a chaos run injects, one method per kind of :data:`~elastic.chaos.plan.KINDS`:
 kills (of a node, of a worker, of rank 0 at an observed moment), a planned leave, a join,
-SIGSTOP/SIGCONT, a cut link, etcd outages, read-only storage and a stale writer.
+SIGSTOP/SIGCONT, a cut link, etcd outages (a kill, a freeze), read-only storage, a stale
+writer and a rogue member key (:mod:`elastic.chaos.rogue`).
 
 Faults that need a moment to be hit (a kill during a save, between the fence and the
 marker, during a purge) are aimed by observation: the injector watches the storage or etcd
@@ -25,11 +26,16 @@ from elastic import env
 from elastic.chaos.fault import Fault
 from elastic.chaos.job import ChaosJob, etcd_client
 from elastic.chaos.observers import PREFIX, pause
+from elastic.chaos.rogue import RogueMember
 from elastic.chaos.stale import stale_argv
 from elastic.checkpoint.layout import COMMIT_MARKER, marker_digest
 from elastic.etcd.server import EtcdServer
 from elastic.harness.cluster import Node
 from elastic.procs import descendants, kill
+from elastic.rendezvous.keys import RunKeys
+
+ROGUE_NAMED_S = 30.0  # how long a rogue key waits for an rdzv.untrusted event naming it
+ROGUE_LINGER_S = 3.0  # and stays after it (the closer decides again meanwhile)
 
 
 class Injector:
@@ -42,6 +48,7 @@ class Injector:
         self.immutable: list[Path] = []
         self.stale_results: list[dict[str, Any]] = []
         self.stale_procs: list[tuple[subprocess.Popen[str], int]] = []
+        self.rogue_results: list[dict[str, Any]] = []
         self.old_spec: str | None = None
 
     def inject(self, kind: str) -> Fault:
@@ -281,6 +288,57 @@ class Injector:
             self.immutable.append(path)
         elif path in self.immutable:
             self.immutable.remove(path)
+
+    def _frozen_etcd(self, fault: Fault) -> None:
+        members = self.job.members
+        member = self.rng.choice(members)
+        seconds = self._frozen_s(len(members) == 1)
+        assert member.proc is not None, "the job's etcd members run"
+        pid = member.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        self.stopped.add(pid)
+        try:
+            pause(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            self.stopped.discard(pid)
+        only = " (the only one)" if len(members) == 1 else f" (1 of {len(members)})"
+        fault.node, fault.detail = member.name, f"etcd member stopped {seconds} s{only}"
+
+    def _frozen_s(self, only: bool) -> float:
+        """How long to freeze an etcd member: 3-8 s, plus the agents' ``request_timeout``
+        when it is the only one (a hung etcd counts as unreachable once a request ran out),
+        and always 5 s less than their ``outage_timeout`` at most (past it they give up)."""
+        rdzv = self.job.rendezvous_options()
+        seconds = self.rng.uniform(3.0, 8.0) + (rdzv.request_timeout if only else 0.0)
+        return round(max(1.0, min(seconds, rdzv.outage_timeout - 5.0)), 1)
+
+    # -- a rogue member ------------------------------------------------------------------------
+
+    def _rogue_member(self, fault: Fault) -> None:
+        if not self.opts.secret:  # choose_kinds leaves it out; a direct call says why
+            fault.hit, fault.detail = False, "the job has no secret; no rogue key written"
+            return
+        node = f"rogue-{len(self.rogue_results) + 1}"
+        fault.node = node
+
+        def named() -> bool:
+            untrusted = self.job.tail.of("rdzv.untrusted")
+            return any(e.get("node") == node and e["ts"] >= fault.t for e in untrusted)
+
+        with etcd_client(self.job.endpoint, request_timeout=5.0) as client:
+            rogue = RogueMember(client, RunKeys(PREFIX, self.job.run_id), node)
+            try:
+                rogue.plant()
+                seen = rogue.watch(named, ROGUE_NAMED_S, ROGUE_LINGER_S)
+            finally:
+                rogue.remove()
+        self.rogue_results.append({**seen.as_dict(), "t": fault.t})
+        untrusted = "never named" if seen.untrusted_s is None else f"{seen.untrusted_s} s"
+        fault.detail = (
+            f"unsigned key {node}: rdzv.untrusted after {untrusted}; rounds seen "
+            f"{sorted(seen.rounds)}, ranked in {sorted(seen.ranked) or 'none'}"
+        )
 
     # -- the stale writer --------------------------------------------------------------------
 

@@ -28,6 +28,10 @@ MODEL_RTOL = 1e-3
 # step mid-training moves the loss by ~1e-2.
 LOSS_RTOL = 1e-3
 
+# The error of a save that was skipped because its fence etcd did not answer, not failed
+# (elastic.checkpoint.manager's private _SKIPPED prefix, as its ckpt.save event carries it).
+SKIPPED_SAVE = "skipped: "
+
 Check = dict[str, Any]
 
 
@@ -51,11 +55,12 @@ def check(name: str, count: int, problems: list[str]) -> Check:
 def check_invariants(
     job: ChaosJob,
     faults: Sequence[Fault],
-    stale_results: Sequence[Mapping[str, Any]],
+    results: Mapping[str, Sequence[Mapping[str, Any]]],
     codes: Mapping[str, int | None],
     orphans: list[int],
 ) -> Verdict:
-    """Every invariant, in the report's order."""
+    """Every invariant, in the report's order; ``results``: what the stale writers
+    (``stale_writer``) and the rogue members (``rogue_member``) reported, by kind."""
     seen = job.observer.seen
     checks = [
         finished(job, codes, orphans),
@@ -67,7 +72,9 @@ def check_invariants(
             seen.violations,
         ),
         samples(job),
-        stale_writers(stale_results),
+        stale_writers(results.get("stale_writer", ())),
+        rogue_members(job.tail, faults, results.get("rogue_member", ())),
+        frozen_etcd(job.tail, faults, only_member=len(job.members) == 1),
         recovered(faults),
     ]
     return compare_fault_free(job, Verdict(checks))
@@ -154,7 +161,96 @@ def stale_writers(results: Sequence[Mapping[str, Any]]) -> Check:
         if r.get("passed_checks") or r.get("removed"):
             problems.append(f"stale writer of round {r.get('round')} deleted: {r.get('removed')}")
     count = sum(len(r.get("refused", {})) + 1 for r in results)
-    return check("a stale writer is refused and deletes nothing", count, problems)
+    return of_kind(
+        "stale_writer", check("a stale writer is refused and deletes nothing", count, problems)
+    )
+
+
+def of_kind(kind: str, result: Check) -> Check:
+    """``result`` marked as the check of one fault kind (it checks nothing without one)."""
+    return {**result, "kind": kind}
+
+
+def rogue_members(
+    tail: EventTail, faults: Sequence[Fault], results: Sequence[Mapping[str, Any]]
+) -> Check:
+    """Every rogue member key got no rank (in no round key it saw, in no ``rdzv.round``
+    event, in no round larger than the live agents), an ``rdzv.untrusted`` event named it,
+    and training lost no step."""
+    problems = []
+    for r in results:
+        node = r["node"]
+        if r.get("ranked"):
+            problems.append(f"the round key ranked the rogue key {node} in rounds {r['ranked']}")
+        if not _events_since(tail, "rdzv.untrusted", r["t"], node):
+            problems.append(f"no rdzv.untrusted event named the rogue key {node}")
+        if _events_since(tail, "rdzv.round", r["t"], node):
+            problems.append(f"an rdzv.round event names the rogue key {node}")
+    rogues = [f for f in faults if f.kind == "rogue_member" and f.hit]
+    for f in rogues:
+        rounds = [e for e in tail.of("rdzv.round") if f.t <= e["ts"] <= f.t_end]
+        problems += [
+            f"round {e.get('round')} during {f.node} had world size {e['world_size']}, "
+            f"more than the {f.world} agents"
+            for e in rounds
+            if f.world and e["world_size"] > f.world
+        ]
+    problems += steps_lost(rogues)
+    name = "a rogue member key gets no rank, is named untrusted, and costs no step"
+    return of_kind("rogue_member", check(name, 3 * len(results) + 2 * len(rogues), problems))
+
+
+def _events_since(tail: EventTail, kind: str, since: float, node: str) -> list[dict[str, Any]]:
+    return [e for e in tail.of(kind) if e.get("node") == node and e["ts"] >= since]
+
+
+def frozen_etcd(tail: EventTail, faults: Sequence[Fault], only_member: bool) -> Check:
+    """While and after an etcd member was frozen (until the next fault): no completed step
+    lost, no save failed (a save whose fence etcd did not answer is skipped, not failed),
+    and with ``only_member`` an ``etcd.unreachable`` then an ``etcd.reachable`` event."""
+    frozen = [f for f in faults if f.kind == "frozen_etcd"]
+    problems, count = steps_lost(frozen), len(frozen)
+    for f, end in _windows(faults, "frozen_etcd"):
+        saves = [e for e in tail.of("ckpt.save") if f.t <= e["ts"] < end]
+        count += len(saves)
+        problems += [
+            f"the save of step {e['step']} (rank {e.get('rank')}) after freezing etcd "
+            f"{f.node} failed instead of being skipped: {e.get('error')}"
+            for e in saves
+            if not e.get("ok") and not str(e.get("error", "")).startswith(SKIPPED_SAVE)
+        ]
+        if only_member:
+            count += 1
+            problems += _outage_events(tail, f, end)
+    name = "a frozen etcd costs no step and fails no save (skips are fine)"
+    return of_kind("frozen_etcd", check(name, count, problems))
+
+
+def _windows(faults: Sequence[Fault], kind: str) -> list[tuple[Fault, float]]:
+    """Each fault of ``kind`` and when its aftermath ends: the next fault, or 120 s on."""
+    ends = [*(f.t for f in faults[1:]), math.inf]
+    return [(f, min(ends[i], f.t_end + 120.0)) for i, f in enumerate(faults) if f.kind == kind]
+
+
+def _outage_events(tail: EventTail, fault: Fault, end: float) -> list[str]:
+    """Why the agents' outage events of a frozen, only etcd member are missing (or none)."""
+    lost = [e["ts"] for e in tail.of("etcd.unreachable") if fault.t <= e["ts"] < end]
+    if not lost:
+        return [f"no etcd.unreachable event while the only etcd was frozen ({fault.detail})"]
+    back = [e for e in tail.of("etcd.reachable") if min(lost) < e["ts"] < end]
+    if not back:
+        return [f"no etcd.reachable event after the only etcd was thawed ({fault.detail})"]
+    return []
+
+
+def steps_lost(faults: Sequence[Fault]) -> list[str]:
+    """The faults that lost a completed step (or never recovered)."""
+    return [
+        f"{f.kind} at step {f.step_before}: "
+        + ("never recovered" if f.steps_lost is None else f"{f.steps_lost} steps lost")
+        for f in faults
+        if f.steps_lost != 0
+    ]
 
 
 def recovered(faults: Sequence[Fault]) -> Check:
@@ -291,9 +387,13 @@ def sample_problems(kept: Mapping[int, list[int]], steps_per_epoch: int, batch: 
 __all__ = [
     "LOSS_RTOL",
     "MODEL_RTOL",
+    "SKIPPED_SAVE",
     "Verdict",
     "check_invariants",
+    "frozen_etcd",
     "kept_samples",
     "model_differences",
+    "rogue_members",
     "sample_problems",
+    "steps_lost",
 ]

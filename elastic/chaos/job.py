@@ -23,6 +23,7 @@ from elastic.procs import name as proc_name
 
 if TYPE_CHECKING:
     from elastic.etcd.client import EtcdClient
+    from elastic.rendezvous.options import RendezvousOptions
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +81,21 @@ class ChaosJob:
     # -- set-up ------------------------------------------------------------------------------
 
     def write_secret(self) -> None:
-        """The run directory, and the job's secret in it (mode 600)."""
+        """The run directory, and the job's secret in it (mode 600) unless the run has none
+        (``opts.secret`` False)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.opts.secret:
+            return
         fd = os.open(self.secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, secrets.token_hex(32).encode())
         os.close(fd)
 
     def secret(self) -> bytes:
+        """The job's secret (empty when the run has none)."""
         from elastic import secret as signing
 
+        if not self.opts.secret:
+            return b""
         return signing.job_secret({env.SECRET_FILE: str(self.secret_file)}) or b""
 
     def start_etcd(self) -> str:
@@ -127,7 +134,20 @@ class ChaosJob:
             self.skipped["etcd_member"] = f"the etcd cluster did not start ({exc})"
 
     def environ(self) -> dict[str, str]:
-        return agent_env(PYTHONPATH=pythonpath(), **{env.SECRET_FILE: str(self.secret_file)})
+        secret = {env.SECRET_FILE: str(self.secret_file)} if self.opts.secret else {}
+        return agent_env(PYTHONPATH=pythonpath(), **secret)
+
+    def agent_options(self) -> AgentOptions:
+        """Every agent's launcher options."""
+        return AgentOptions(nnodes=f"1:{self.opts.max_agents}", join_timeout=120, max_restarts=1000)
+
+    def rendezvous_options(self) -> RendezvousOptions:
+        """The agents' rendezvous options (their ``--rdzv-conf`` parsed): the timeouts
+        within which they ride out an unreachable or hung etcd."""
+        from elastic.rendezvous.options import RendezvousOptions
+
+        conf = dict(item.split("=", 1) for item in self.agent_options().conf().split(",") if item)
+        return RendezvousOptions.parse(conf)
 
     def start_cluster(self) -> None:
         """The agents' driver (no agent yet) and the observers of its event log and storage."""
@@ -136,9 +156,7 @@ class ChaosJob:
             self.run_dir,
             self.run_id,
             self.endpoint,
-            options=AgentOptions(
-                nnodes=f"1:{opts.max_agents}", join_timeout=120, max_restarts=1000
-            ),
+            options=self.agent_options(),
             config=opts.config,
             max_steps=self.max_steps,
             overrides={**overrides(opts), "checkpoint.url": self.ckpt},

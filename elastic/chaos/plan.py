@@ -29,6 +29,8 @@ KINDS: Mapping[str, str] = {
     "storage_ro": "the checkpoint directory read-only for a few seconds",
     "stale_writer": "a process holding an old round's fence tries to commit and purge",
     "cut_link": "a node's network link cut (needs network namespaces)",
+    "rogue_member": "an unsigned member key written straight into etcd (needs the job secret)",
+    "frozen_etcd": "SIGSTOP of one etcd member (or the only one), SIGCONT within the tolerance",
 }
 REMOVES = {"kill_agent", "leave"}
 AIMED = {"kill_in_save", "kill_after_fence", "kill_in_purge"}
@@ -53,12 +55,14 @@ class ChaosOptions:
     config: Path = TINY
     recover_timeout: float = 240.0
     netns: bool | None = None  # nodes in network namespaces; None: when cut_link can run
+    secret: bool = True  # the job signs its records with a secret; rogue_member needs one
     faults: int | None = None  # inject this many (however long they take); default: by time
     say: Callable[[str], None] = field(default=lambda line: None)
 
 
-def available_kinds(etcd_members: int) -> tuple[list[str], dict[str, str]]:
-    """The kinds this machine can inject, and why each other kind is skipped."""
+def available_kinds(etcd_members: int, secret: bool = True) -> tuple[list[str], dict[str, str]]:
+    """The kinds this machine (and a job with or without a ``secret``) can inject, and why
+    each other kind is skipped. Every kind weighs the same: one per shuffled round."""
     from elastic.harness.faults import netns_usable
 
     skipped: dict[str, str] = {}
@@ -67,6 +71,11 @@ def available_kinds(etcd_members: int) -> tuple[list[str], dict[str, str]]:
         skipped["cut_link"] = f"network namespaces are unusable here: {why}"
     if etcd_members < 3:
         skipped["etcd_member"] = "etcd runs as one member: a member loss is a full outage"
+    if not secret:
+        skipped["rogue_member"] = (
+            "the job has no secret: its records are unsigned, so an unsigned member key "
+            "would be trusted and given a rank (run with a secret to inject it)"
+        )
     return [k for k in KINDS if k not in skipped], skipped
 
 
@@ -77,7 +86,7 @@ def choose_kinds(opts: ChaosOptions) -> tuple[list[str], dict[str, str]]:
     Raises:
         ValueError: ``opts.kinds`` names a kind that does not exist.
     """
-    kinds, skipped = available_kinds(opts.etcd_members)
+    kinds, skipped = available_kinds(opts.etcd_members, opts.secret)
     if not opts.kinds:
         return kinds, skipped
     unknown = [k for k in opts.kinds if k not in KINDS]

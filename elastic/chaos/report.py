@@ -22,11 +22,12 @@ def build_report(
     job: ChaosJob,
     faults: Sequence[Fault],
     verdict: Verdict,
-    stale_results: Sequence[Mapping[str, Any]],
+    results: Mapping[str, Sequence[Mapping[str, Any]]],
     times: tuple[float, float],
     codes: Mapping[str, int | None],
 ) -> dict[str, Any]:
-    """The report of a run that started and ended at ``times`` (its keys in this order)."""
+    """The report of a run that started and ended at ``times`` (its keys in this order);
+    ``results``: what the stale writers and the rogue members reported, by kind."""
     started, ended = times
     opts = job.opts
     return {
@@ -49,7 +50,8 @@ def build_report(
         "invariants": verdict.checks,
         "ok": verdict.ok,
         "fault_log": [f.as_dict() for f in faults],
-        "stale_writers": list(stale_results),
+        "stale_writers": list(results.get("stale_writer", ())),
+        "rogue_members": list(results.get("rogue_member", ())),
         "provenance": provenance(),
     }
 

@@ -116,10 +116,11 @@ class Chaos:
         self, times: tuple[float, float], codes: Mapping[str, int | None], orphans: list[int]
     ) -> dict[str, Any]:
         """Check the invariants; write the observations and the report; the report."""
-        job, stale = self.job, self.injector.stale_results
+        job, injector = self.job, self.injector
         write_observations(job.observer.seen, job.run_dir / "observations.json")
-        verdict = check_invariants(job, self.faults, stale, codes, orphans)
-        report = build_report(job, self.faults, verdict, stale, times, codes)
+        results = {"stale_writer": injector.stale_results, "rogue_member": injector.rogue_results}
+        verdict = check_invariants(job, self.faults, results, codes, orphans)
+        report = build_report(job, self.faults, verdict, results, times, codes)
         (job.run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return report
 

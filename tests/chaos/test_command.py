@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from elastic.chaos.command import options
 from elastic.tools.cli import _parser
 
@@ -16,12 +18,25 @@ def test_the_cli_options_become_the_runs_options(tmp_path: Path) -> None:
     opts = options(args)
     assert (opts.minutes, opts.seed, opts.runs_dir, opts.every_s) == (2.0, 5, tmp_path, 8.0)
     assert opts.kinds == ["join", "leave"]
-    assert opts.agents == 3
+    assert opts.agents == 3 and opts.secret
     assert options(_parser().parse_args(["chaos"])).kinds is None
 
 
+def test_kinds_are_checked_and_the_new_kinds_are_among_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _parser().parse_args(["chaos", "--kinds", "rogue_member,frozen_etcd", "--no-secret"])
+    opts = options(args)
+    assert opts.kinds == ["rogue_member", "frozen_etcd"] and not opts.secret
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["chaos", "--kinds", "join,rogue"])
+    assert "unknown fault kinds rogue; choose from kill_agent" in capsys.readouterr().err
+
+
 def test_chaos_imports_neither_the_cli_nor_the_other_commands() -> None:
-    modules = "command fault injectors invariants job observers plan reference report run stale"
+    modules = (
+        "command fault injectors invariants job observers plan reference report rogue run stale"
+    )
     code = (
         "import sys\n"
         f"for m in {modules.split()!r}: __import__('elastic.chaos.' + m)\n"
