@@ -313,7 +313,7 @@ class Injector:
         seconds = self.rng.uniform(3.0, 8.0) + (rdzv.request_timeout if only else 0.0)
         return round(max(1.0, min(seconds, rdzv.outage_timeout - 5.0)), 1)
 
-    # -- a rogue member ------------------------------------------------------------------------
+    # -- a rogue member ----------------------------------------------------------------------
 
     def _rogue_member(self, fault: Fault) -> None:
         if not self.opts.secret:  # choose_kinds leaves it out; a direct call says why
