@@ -4,12 +4,16 @@ and the checks of the rogue_member and frozen_etcd faults, on made-up event logs
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 from elastic.chaos.fault import Fault
+from elastic.chaos.injectors import Injector
 from elastic.chaos.invariants import SKIPPED_SAVE, frozen_etcd, rogue_members
+from elastic.chaos.job import ChaosJob
 from elastic.chaos.observers import EventTail
+from elastic.chaos.plan import ChaosOptions
 from elastic.chaos.rogue import RogueMember
 from elastic.etcd.client import EtcdClient
 from elastic.rendezvous.announce.records import Round, Trust, parse_member
@@ -102,3 +106,14 @@ def test_a_frozen_only_etcd_must_be_seen_unreachable_then_reachable(tmp_path: Pa
     assert problems and "no etcd.reachable" in problems[0]
     assert frozen_etcd(_tail(tmp_path, [lost, back]), faults, True)["ok"]
     assert not frozen_etcd(_tail(tmp_path, []), [_frozen(200.0)], False)["ok"], "not recovered"
+
+
+def test_a_freeze_outlasts_requests_only_for_a_single_etcd_and_stays_in_the_tolerance(
+    tmp_path: Path,
+) -> None:
+    job = ChaosJob(ChaosOptions(runs_dir=tmp_path))
+    rdzv = job.rendezvous_options()
+    assert (rdzv.request_timeout, rdzv.outage_timeout) == (30.0, 600.0), "the agents' defaults"
+    injector = Injector(job, random.Random(0))
+    assert all(3.0 <= injector._frozen_s(only=False) <= 8.0 for _ in range(20))
+    assert all(33.0 <= injector._frozen_s(only=True) <= 38.0 for _ in range(20))
