@@ -115,14 +115,60 @@ def stream(
     The source passes ``meta`` and ``data`` (a uint8 tensor); the others pass None.
     Ranks with ``receive`` False (they hold the state already) take part in the
     collectives with a scratch buffer. Returns ``(meta, data)`` on receivers, else None.
+    Sizes are bounded before anything is allocated; with a job secret the bytes are
+    authenticated (a keyed digest the source sends first) before they are returned.
     """
-    rank = dist.get_rank(group)
     src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+    sending = dist.get_rank(group) == src_rank
     started = time.perf_counter()
     key = _key()
+    meta_len, data_len, tag = _announce(meta, data, key, src_rank, sending, src, group)
+    meta_t = (
+        torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        if sending and meta
+        else torch.empty(meta_len, dtype=torch.uint8)
+    )
+    dist.broadcast(meta_t, src=src, group=group)
+    out = data if sending and data is not None else _buffer(receive, data_len, chunk)
+    for start in range(0, data_len, chunk):
+        n = min(chunk, data_len - start)
+        piece = out[start : start + n] if sending or receive else out[:n]
+        dist.broadcast(piece, src=src, group=group)
+    seconds = time.perf_counter() - started
+    if sending or not receive:
+        if sending:
+            logger.info("Sent a %.1f MB snapshot in %.3f s (%.0f MB/s).", *_rate(data_len, seconds))
+        return None
+    got = meta_t.numpy().tobytes()
+    if key is not None and not hmac.compare_digest(_digest(key, got, out), tag):
+        raise RecoveryError(
+            f"The state rank {src_rank} sent is not signed with this job's secret (or was "
+            "altered on the way); it is not used. Give every node the same secret file."
+        )
+    mb, _, rate = _rate(data_len, seconds)
+    logger.info(
+        "Received a %.1f MB snapshot from rank %d in %.3f s (%.0f MB/s).",
+        mb,
+        src_rank,
+        seconds,
+        rate,
+    )
+    return got, out
+
+
+def _announce(
+    meta: bytes | None,
+    data: torch.Tensor | None,
+    key: bytes | None,
+    src_rank: int,
+    sending: bool,
+    src: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[int, int, bytes]:
+    """The source's sizes and digest, broadcast; checked on the others before use."""
     sizes = torch.zeros(2, dtype=torch.int64)
     tag = torch.zeros(TAG, dtype=torch.uint8)
-    if rank == src_rank:
+    if sending:
         assert meta is not None and data is not None
         sizes[0], sizes[1] = len(meta), data.numel()
         if key is not None:
@@ -130,50 +176,18 @@ def stream(
     dist.broadcast(sizes, src=src, group=group)
     dist.broadcast(tag, src=src, group=group)
     meta_len, data_len = int(sizes[0]), int(sizes[1])
-    if rank != src_rank:
+    if not sending:
         _check_sizes(src_rank, meta_len, data_len)
-    meta_t = (
-        torch.frombuffer(bytearray(meta), dtype=torch.uint8)
-        if rank == src_rank and meta
-        else torch.empty(meta_len, dtype=torch.uint8)
-    )
-    dist.broadcast(meta_t, src=src, group=group)
-    if rank == src_rank:
-        assert data is not None
-        out = data
-    elif receive:
-        out = torch.empty(data_len, dtype=torch.uint8)
-    else:
-        out = torch.empty(min(chunk, data_len), dtype=torch.uint8)  # scratch
-    for start in range(0, data_len, chunk):
-        n = min(chunk, data_len - start)
-        piece = out[start : start + n] if rank == src_rank or receive else out[:n]
-        dist.broadcast(piece, src=src, group=group)
-    seconds = time.perf_counter() - started
-    if rank == src_rank:
-        logger.info(
-            "Sent a %.1f MB snapshot in %.3f s (%.0f MB/s).",
-            data_len / 1e6,
-            seconds,
-            data_len / 1e6 / max(seconds, 1e-9),
-        )
-        return None
-    if not receive:
-        return None
-    got = meta_t.numpy().tobytes()
-    if key is not None and not hmac.compare_digest(_digest(key, got, out), tag.numpy().tobytes()):
-        raise RecoveryError(
-            f"The state rank {src_rank} sent is not signed with this job's secret (or was "
-            "altered on the way); it is not used. Give every node the same secret file."
-        )
-    logger.info(
-        "Received a %.1f MB snapshot from rank %d in %.3f s (%.0f MB/s).",
-        data_len / 1e6,
-        src_rank,
-        seconds,
-        data_len / 1e6 / max(seconds, 1e-9),
-    )
-    return got, out
+    return meta_len, data_len, tag.numpy().tobytes()
+
+
+def _buffer(receive: bool, data_len: int, chunk: int) -> torch.Tensor:
+    """Where the data lands: all of it (a receiver), or one chunk of scratch (a holder)."""
+    return torch.empty(data_len if receive else min(chunk, data_len), dtype=torch.uint8)
+
+
+def _rate(data_len: int, seconds: float) -> tuple[float, float, float]:
+    return data_len / 1e6, seconds, data_len / 1e6 / max(seconds, 1e-9)
 
 
 def _key() -> bytes | None:
