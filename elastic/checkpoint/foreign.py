@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # private in torch 2.14
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (  # private in torch 2.14
     _EmptyStateDictLoadPlanner,
@@ -34,7 +33,12 @@ from torch.distributed.checkpoint.state_dict_loader import (  # private in torch
     _load_state_dict,
 )
 
-from elastic.checkpoint.storage import SafeLoadPlanner, make_reader, store_loaded
+from elastic.checkpoint.storage import (
+    SafeLoadPlanner,
+    flatten_state_dict,
+    make_reader,
+    store_loaded,
+)
 from elastic.errors import CheckpointError
 
 logger = logging.getLogger(__name__)

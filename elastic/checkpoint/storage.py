@@ -62,6 +62,9 @@ from torch.distributed.checkpoint._fsspec_filesystem import (  # private in torc
     FsspecReader,
     FsspecWriter,
 )
+from torch.distributed.checkpoint._nested_dict import (  # private in torch 2.14
+    flatten_state_dict,
+)
 from torch.distributed.checkpoint._traverse import set_element  # private in torch 2.14
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.filesystem import (  # private in torch 2.14
@@ -714,6 +717,7 @@ __all__ = [
     "byte_view",
     "crc32",
     "filesystem",
+    "flatten_state_dict",
     "fsync_directory",
     "join",
     "make_reader",
