@@ -44,11 +44,6 @@ class RunKeys:
         return self.root + b"restarts/"
 
     @property
-    def probes(self) -> bytes:
-        """Prefix of each agent's probe port, by node name (see rendezvous.liveness)."""
-        return self.root + b"probes/"
-
-    @property
     def members(self) -> bytes:
         """Prefix of the ``announce`` rendezvous's member keys: one per node, on its own lease."""
         return self.root + b"announce/members/"
