@@ -189,3 +189,16 @@ def test_without_a_secret_records_are_unsigned_and_rounds_form(
             assert "sig" not in json.loads(c.range(keys_of(handlers[0]).round).kvs[0].value)
     finally:
         nodes.close()
+
+
+def test_elastic_status_shows_no_rogue_member(run: Nodes, client: EtcdClient) -> None:
+    """``elastic status`` checks the records as the agents do: a rogue is counted, not shown."""
+    from elastic.rendezvous.announce.status import announce_status
+
+    handlers = run.add(2)
+    join_all(handlers)
+    rogues = plant_rogues(client, keys_of(handlers[0]), 3)
+    status = announce_status(client, keys_of(handlers[0]))
+    shown = {m["node"] for m in status["members"]}
+    assert shown == {h.name for h in handlers} and not shown & set(rogues), status
+    assert status["untrusted"] == 2 and status["world_size"] == 2, status

@@ -9,23 +9,31 @@ from elastic.rendezvous.announce.records import (
     NO_ROUND,
     Member,
     Round,
+    Trust,
     decode_members,
     decode_round,
 )
 from elastic.rendezvous.keys import RunKeys
+from elastic.secret import shared_secret
 
 
 def announce_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
     """The run's announce rendezvous in the shape of
     :func:`elastic.tools.status.rendezvous_status` (which reads the single-key state only):
     the round key and every member key in one read, and each member's lease for how long
-    ago it was renewed (its heartbeat). ``{"exists": False}`` when neither key exists."""
+    ago it was renewed (its heartbeat). ``{"exists": False}`` when neither key exists.
+
+    With ``$ELASTIC_SECRET_FILE`` the records are checked as the agents check them: a round
+    or member key not signed by the job is not shown (``untrusted`` counts those members)."""
     response = client.txn([], [op_get(keys.round), op_range(keys.members, prefix=True)], [])
     round_kvs, member_kvs = txn_kvs(response, 0), txn_kvs(response, 1)
     if not round_kvs and not member_kvs:
         return {"exists": False}
-    round_ = decode_round(round_kvs[0].value) if round_kvs else NO_ROUND
+    secret = shared_secret()
+    trust = Trust(secret, keys.round, keys.run_id) if secret is not None else None
+    round_ = decode_round(round_kvs[0].value, trust) if round_kvs else NO_ROUND
     leases = {kv.key[len(keys.members) :].decode(errors="replace"): kv.lease for kv in member_kvs}
+    trusted = decode_members(member_kvs, keys.members, trust)
     members = [
         {
             "node": member.name,
@@ -34,7 +42,7 @@ def announce_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
             "state": _member_state(round_, member),
             "last_heartbeat_s_ago": client.renewed_s_ago(leases[member.name]),
         }
-        for member in decode_members(member_kvs, keys.members)
+        for member in trusted
     ]
     return {
         "exists": True,
@@ -45,6 +53,7 @@ def announce_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         "world_size": len(round_.members),
         "waiting": round_.waiting,
         "members": members,
+        "untrusted": len(member_kvs) - len(trusted),
     }
 
 
