@@ -313,7 +313,9 @@ def compare_losses(
     changes the loss by ~1e-2); the float-summation drift between world sizes grows
     smoothly and stays far below :data:`LOSS_RTOL`.
     """
-    kept: dict[int, float] = {e["step"]: e["loss"] for e in tail.of("train.step")}
+    # A step whose agreement failed (a peer lost right after it) is reported without a loss.
+    steps = tail.of("train.step")
+    kept: dict[int, float] = {e["step"]: e["loss"] for e in steps if "loss" in e}
     worst, at = 0.0, 0
     problems = []
     for step, loss in sorted(kept.items()):

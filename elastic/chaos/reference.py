@@ -30,7 +30,7 @@ class Reference:
         log = job.run_dir / "reference-events.jsonl"
         environ = {**job.environ(), env.EVENT_LOG: str(log)}
         subprocess.run(self._argv(url), env=environ, check=True, capture_output=True, timeout=1800)
-        self.losses = {e["step"]: e["loss"] for e in events.read(log, "train.step")}
+        self.losses = {e["step"]: e["loss"] for e in events.read(log, "train.step") if "loss" in e}
         return final_model(job, url)
 
     def _argv(self, url: Path) -> list[str]:

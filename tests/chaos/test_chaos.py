@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,8 @@ CI_KINDS = (
     "etcd_member",
     "kill_in_purge",
 )
+# Not rogue_member and frozen_etcd (docs/chaos.md): with them the schedule took 237 s and
+# 352 s, over the 300 s limit, and a frozen member of three stalled the job once.
 
 
 def test_plan_is_seeded_and_keeps_the_agents_between_bounds() -> None:
@@ -65,21 +68,35 @@ def test_a_short_seeded_schedule_keeps_every_invariant(tmp_path: Path) -> None:
             seed=2,
             runs_dir=tmp_path,
             every_s=8.0,
-            faults=6,
+            faults=len(CI_KINDS),
             kinds=CI_KINDS,
             say=lines.append,
         )
     )
-    summary = table(report)
-    print(summary)
-    failed = [c for c in report["invariants"] if not c["ok"]]
-    assert not failed, f"{summary}\n{json.dumps(report['fault_log'], indent=1)}\n" + "\n".join(
-        lines
-    )
+    summary = _check(report, lines)
     # A loaded machine trains slower: the schedule stops at 90% of the steps.
     assert report["faults"] >= 3, summary
     assert len(report["faults_by_kind"]) >= 3, "a handful of faults of different kinds"
     counts = {c["invariant"]: c["checks"] for c in report["invariants"]}
     loads = {k: v for k, v in counts.items() if "loaded" in k or "resume" in k}
     assert sum(loads.values()) > 0, "no resume was checked (from storage, memory or a peer)"
-    assert all(v > 0 for k, v in counts.items() if k not in loads), counts
+
+
+def _check(report: dict[str, Any], lines: list[str]) -> str:
+    """Assert that every invariant held and checked something (those of a fault kind: when
+    that kind was injected); the report's summary."""
+    summary = table(report)
+    print(summary)
+    failed = [c for c in report["invariants"] if not c["ok"]]
+    assert not failed, f"{summary}\n{json.dumps(report['fault_log'], indent=1)}\n" + "\n".join(
+        lines
+    )
+    injected = report["faults_by_kind"]
+    unchecked = [
+        c["invariant"]
+        for c in report["invariants"]
+        if not c["checks"] and c.get("kind", "") in ("", *injected)
+        if "loaded" not in c["invariant"] and "resume" not in c["invariant"]
+    ]
+    assert not unchecked, summary
+    return summary
