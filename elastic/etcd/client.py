@@ -254,6 +254,9 @@ class WatchHandle:
 REQUEST_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, grpc.RpcError)
 
 
+ATTEMPT_S = 1.0  # the most one request waits on one member while others could answer
+
+
 class EtcdClient:
     """A thread-safe etcd v3 client with fail-over across endpoints.
 
@@ -305,6 +308,9 @@ class EtcdClient:
         budget = self._attempt_s()
         deadline = time.monotonic() + budget
         n = len(self.options.endpoints)
+        # With other members to try, one that does not answer (a hung or frozen etcd) is
+        # given up after ATTEMPT_S, not after the whole budget: leases would expire meanwhile.
+        cap = ATTEMPT_S if n > 1 else budget
         errors: dict[str, str] = {}
         attempt = 0
         while True:
@@ -313,7 +319,7 @@ class EtcdClient:
             if conn is not None:
                 try:
                     self.requests += 1
-                    result = fn(conn, max(0.05, min(budget, deadline - time.monotonic())))
+                    result = fn(conn, max(0.05, min(cap, deadline - time.monotonic())))
                     self._ever_connected = True
                     return result
                 except grpc.RpcError as exc:
