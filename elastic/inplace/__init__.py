@@ -23,17 +23,18 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> None:
     """``torch.distributed.init_process_group`` for a script on :class:`elastic.Run`.
 
     Under an agent that offers in-place re-forms, with gloo (``backend`` None or
-    ``"gloo"``, no other arguments), the process starts in a group of its own, so that
+    ``"gloo"``, no other argument than ``timeout``: every in-place group's, and how long a
+    worker waits for the agent's next round), the process starts in a group of its own, so that
     ``DistributedDataParallel(model)`` can be built before the job's group exists;
     :class:`elastic.Run` then joins the job (rank and world size are known from there).
     Otherwise it is torch's own call, and membership changes restart the workers.
     """
     import torch.distributed as dist
 
-    if offered() and backend in (None, "gloo") and not kwargs:
+    if offered() and backend in (None, "gloo") and set(kwargs) <= {"timeout"}:
         from elastic.inplace import groups
 
-        groups.init_alone("gloo")
+        groups.init_alone("gloo", kwargs.get("timeout"))
         mark_alone()
         return
     dist.init_process_group(backend, **kwargs)

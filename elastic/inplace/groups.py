@@ -25,13 +25,23 @@ import torch.distributed.distributed_c10d as c10d
 logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=5)  # of an in-place group: bounds how long a stuck op lives on
+_timeout = TIMEOUT  # this process's, from elastic.init_process_group(timeout=...)
 KEY_PREFIX = "elastic/inplace"
 _DROPPED: list[Any] = []
 
 
-def init_alone(backend: str = "gloo") -> None:
-    """A default group of this process alone (DDP can be built; ``Run`` joins the job)."""
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT)
+def init_alone(backend: str = "gloo", timeout: timedelta | None = None) -> None:
+    """A default group of this process alone (DDP can be built; ``Run`` joins the job).
+    ``timeout`` (default :data:`TIMEOUT`) is every in-place group's, and how long a worker
+    waits for the agent's next round, as a collective would wait on a peer."""
+    global _timeout
+    _timeout = timeout or TIMEOUT
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=_timeout)
+
+
+def timeout_s() -> float:
+    """The in-place groups' timeout, in seconds."""
+    return _timeout.total_seconds()
 
 
 def drop_world() -> None:
@@ -64,13 +74,15 @@ def form(
     started = time.perf_counter()
     drop_world()
     store = dist.PrefixStore(f"{KEY_PREFIX}/{round_}/", client(host, port))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=_timeout
+    )
     return time.perf_counter() - started
 
 
 def client(host: str, port: int) -> dist.TCPStore:
     """A client of a round's bootstrap store."""
-    return dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT, use_libuv=True)
+    return dist.TCPStore(host, port, is_master=False, timeout=_timeout, use_libuv=True)
 
 
 def update_ddp(model: Any) -> None:
@@ -93,9 +105,13 @@ def update_ddp(model: Any) -> None:
         dist._register_comm_hook(model.reducer, state, hook)
 
 
+SIDE_TIMEOUT = timedelta(minutes=10)  # a checkpoint's collectives wait for the slowest write
+
+
 def side_group() -> dist.ProcessGroup:
-    """A gloo group of every rank, for a thread of its own (background checkpoints)."""
-    group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    """A gloo group of every rank, for a thread of its own (background checkpoints: its
+    collectives wait for every rank's writes, so it gets at least :data:`SIDE_TIMEOUT`)."""
+    group = dist.new_group(backend="gloo", timeout=max(_timeout, SIDE_TIMEOUT))
     assert isinstance(group, dist.ProcessGroup)
     return group
 

@@ -100,7 +100,7 @@ class Member:
         return self._ready[1]
 
     def join(
-        self, timeout: float = JOIN_TIMEOUT_S, failed: bool = False
+        self, timeout: float | None = None, failed: bool = False
     ) -> tuple[Assignment, float, float]:
         """Wait for a round newer than ours and form its group: ``(assignment, seconds
         waited, seconds forming)``.
@@ -108,6 +108,8 @@ class Member:
         Raises:
             RecoveryError: no round came within ``timeout``, or its group could not form.
         """
+        if timeout is None:  # as long as a collective of the group would wait
+            timeout = min(JOIN_TIMEOUT_S, groups.timeout_s())
         started = time.perf_counter()
         deadline = time.monotonic() + timeout
         got = self._all_ready(self._wait(timeout, failed), deadline)

@@ -61,7 +61,7 @@ def init_distributed(cfg: DistributedConfig) -> torch.device:
         torch.cuda.set_device(local_rank)
     timeout = timedelta(seconds=cfg.timeout_s)
     if not use_cuda and offered():
-        init_process_group("gloo")  # elastic.Run joins the job's group in place
+        init_process_group("gloo", timeout=timeout)  # elastic.Run joins the job in place
     elif env.WORLD_SIZE in os.environ:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     else:
