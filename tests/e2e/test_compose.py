@@ -310,7 +310,9 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     assert sorted(events.completed_steps(cluster.events())) == list(range(1, MAX_STEPS + 1)), (
         "every step from 1 to max_steps must have run"
     )
-    assert all(math.isfinite(e["loss"]) for e in steps)
+    # A step whose agreement failed (a peer was lost right after it) has no loss to report.
+    assert all(math.isfinite(e["loss"]) for e in steps if "loss" in e)
+    assert sum("loss" in e for e in steps) >= len(steps) - 5, "most steps report their loss"
     assert {e["world_size"] for e in steps} == {1, 2, 3}
     assert events.resumptions(cluster.events(), 0), "joins and leaves must go on from a state"
     loads = cluster.events("ckpt.load")
