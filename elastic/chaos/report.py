@@ -46,6 +46,7 @@ def build_report(
         "time": effective(job.tail.of("train.step"), started, opts.step_s),
         "worst_model_rel_l2": verdict.worst_model_rel_l2,
         "loss_drift": verdict.loss_drift,
+        "model_drift": verdict.model_drift,
         "exit_codes": dict(codes),
         "invariants": verdict.checks,
         "ok": verdict.ok,
