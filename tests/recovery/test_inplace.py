@@ -172,6 +172,12 @@ def _reference(ref: Path, epochs: int) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.xfail(
+    reason="known: the restarted worker, back in place, can abort (SIGABRT in a C++ thread, "
+    "no Python frame) seconds after it rejoined, as the thawed worker's SIGSEGV; seen once "
+    "in CI; see docs/inplace.md",
+    strict=False,
+)
 def test_failure_inside_optimizer_step_restarts_that_rank(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
