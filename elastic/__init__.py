@@ -16,7 +16,7 @@ The public API (imported on first use, so ``import elastic`` stays light)::
 
 from __future__ import annotations
 
-from typing import Any
+from elastic._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -38,16 +38,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastic' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

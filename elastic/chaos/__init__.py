@@ -23,7 +23,7 @@ checks), :mod:`~elastic.chaos.report` (the result), :mod:`~elastic.chaos.run` (o
 
 from __future__ import annotations
 
-from typing import Any
+from elastic._lazy import lazy_exports
 
 _LAZY = {
     "KINDS": "elastic.chaos.plan",
@@ -52,16 +52,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'elastic.chaos' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)
