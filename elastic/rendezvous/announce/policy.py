@@ -179,20 +179,33 @@ def waiting(
     return asked + joining + len(released(view, ready, lost_, timers, now))
 
 
-def news(
-    view: View,
-    ready: list[Member],
-    running: list[Member],
-    lost_: tuple[str, ...],
-    timers: Timers,
-    now: float,
-) -> bool:
-    """Whether the running round must hear of waiting nodes or lost members (only a change
-    of "anyone waiting?" counts, so a burst of joiners is one write)."""
-    if lost_ != view.round.lost:
-        return True
-    now_waiting = waiting(view, ready, lost_, timers, now)
-    return bool(running) and bool(view.round.waiting) != bool(now_waiting)
+@dataclass(frozen=True)
+class _Scene:
+    """One decision's inputs: the view, split once (ready, running, lost), the timers to
+    keep, and now."""
+
+    view: View
+    ready: list[Member]
+    running: list[Member]
+    lost: tuple[str, ...]
+    timers: Timers
+    now: float
+
+    def decision(self, action: Action, reason: str, wake_in: float = 0.0) -> Decision:
+        """``action`` for ``reason``, deciding again ``wake_in`` s from now at the latest."""
+        return Decision(action, reason, self.now + wake_in, self.timers)
+
+    def tell_or_wait(self) -> Action:
+        """UPDATE when the running round must hear of waiting nodes or lost members (only
+        a change of "anyone waiting?" counts, so a burst of joiners is one write), else
+        WAIT."""
+        view, ready, lost_ = self.view, self.ready, self.lost
+        if lost_ != view.round.lost:
+            return Action.UPDATE
+        now_waiting = waiting(view, ready, lost_, self.timers, self.now)
+        if self.running and bool(view.round.waiting) != bool(now_waiting):
+            return Action.UPDATE
+        return Action.WAIT
 
 
 def decide(view: View, timers: Timers, now: float) -> Decision:
@@ -207,51 +220,38 @@ def decide(view: View, timers: Timers, now: float) -> Decision:
     if not view.round.closed and len(candidates) >= view.limits.min_nodes:
         if timers.first_ready is None:
             timers = replace(timers, first_ready=now)
-        return _open(view, ready, running, lost_, timers, now)
+        return _open(_Scene(view, ready, running, lost_, timers, now))
     if not candidates:
         timers = replace(timers, first_ready=None)
-    return _idle(view, ready, running, lost_, timers, now)
+    return _idle(_Scene(view, ready, running, lost_, timers, now))
 
 
-def _open(
-    view: View,
-    ready: list[Member],
-    running: list[Member],
-    lost_: tuple[str, ...],
-    timers: Timers,
-    now: float,
-) -> Decision:
+def _open(scene: _Scene) -> Decision:
     """``min_nodes`` are candidates: publish, or wait for the last call or close_timeout."""
-    limits = view.limits
+    view, ready, running, timers = scene.view, scene.ready, scene.running, scene.timers
+    limits, now = view.limits, scene.now
     if len(ready) >= limits.max_nodes:
-        return Decision(Action.PUBLISH, f"max_nodes={limits.max_nodes} are ready", now, timers)
+        return scene.decision(Action.PUBLISH, f"max_nodes={limits.max_nodes} are ready")
     if early(view, ready, running) is not None:
         why = f"every live member of round {view.round.round} is back (early close)"
-        return Decision(Action.PUBLISH, why, now, timers)
+        return scene.decision(Action.PUBLISH, why)
     first_ready = now if timers.first_ready is None else timers.first_ready
     quiet = timers.last_change + limits.last_call - now
     patience = first_ready + limits.close_timeout - now
     if quiet <= 0 and not running:
-        return Decision(Action.PUBLISH, f"{len(ready)} ready and the last call passed", now, timers)
+        return scene.decision(Action.PUBLISH, f"{len(ready)} ready and the last call passed")
     if quiet <= 0 and patience <= 0:
         why = f"close_timeout passed with {len(running)} members still in the old round"
-        return Decision(Action.PUBLISH, why, now, timers)
+        return scene.decision(Action.PUBLISH, why)
     left = quiet if quiet > 0 else patience
     why = "the last call runs" if quiet > 0 else f"waiting for {len(running)} running members"
-    action = Action.UPDATE if news(view, ready, running, lost_, timers, now) else Action.WAIT
-    return Decision(action, f"{len(ready)} ready, {why}", now + left, timers)
+    return scene.decision(scene.tell_or_wait(), f"{len(ready)} ready, {why}", left)
 
 
-def _idle(
-    view: View,
-    ready: list[Member],
-    running: list[Member],
-    lost_: tuple[str, ...],
-    timers: Timers,
-    now: float,
-) -> Decision:
+def _idle(scene: _Scene) -> Decision:
     """No round to close: keep the running round told, and wake when a last call ends."""
-    held = None if timers.held_since is None else timers.held_since + view.limits.last_call - now
+    view, ready, running, since = scene.view, scene.ready, scene.running, scene.timers.held_since
+    held = None if since is None else since + view.limits.last_call - scene.now
     # Wake when the newcomers' last call ends (the running round must hear of them).
     wait_s = held if running and held is not None and held > 0 else IDLE_WATCH_S
     if view.round.closed:
@@ -260,8 +260,7 @@ def _idle(
         why = f"round {view.round.round} trains on; {len(ready)} wait"
     else:
         why = f"{len(ready)} ready of min_nodes={view.limits.min_nodes}"
-    action = Action.UPDATE if news(view, ready, running, lost_, timers, now) else Action.WAIT
-    return Decision(action, why, now + wait_s, timers)
+    return scene.decision(scene.tell_or_wait(), why, wait_s)
 
 
 def next_round(view: View, high: int | None) -> int:
