@@ -30,6 +30,20 @@ def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     return model, opt, sched
 
 
+def start(seed: int, ckpt: str, snapshot_dir: Path) -> Run:
+    """A Run of :func:`build`'s model (``seed``), its snapshots in ``snapshot_dir``."""
+    model, opt, sched = build(seed)
+    return Run(
+        model,
+        opt,
+        sched,
+        checkpoint_url=ckpt,
+        checkpoint_every=4,
+        run_id="xr",
+        snapshot_dir=str(snapshot_dir),
+    )
+
+
 def dump(run: Run, path: Path) -> None:
     state = run.state()
     torch.save(
@@ -53,16 +67,8 @@ def main(rank: int, world: int, tmp: Path) -> None:
     node = tmp / f"node{rank}"
     node.mkdir(exist_ok=True)
 
-    model, opt, sched = build(0)
-    run = Run(
-        model,
-        opt,
-        sched,
-        checkpoint_url=ckpt,
-        checkpoint_every=4,
-        run_id="xr",
-        snapshot_dir=str(node),
-    )
+    run = start(0, ckpt, node)
+    model, opt, sched = run.model, run.optimizer, run.scheduler
     gen = torch.Generator().manual_seed(rank)
     for step in run.steps(100):
         if step == 4:
@@ -81,32 +87,14 @@ def main(rank: int, world: int, tmp: Path) -> None:
         shutil.move(node, tmp / f"node{rank}-hidden")
         node.mkdir()
     dist.barrier()
-    model, opt, sched = build(1)  # other weights: a load that did nothing would show
-    run = Run(
-        model,
-        opt,
-        sched,
-        checkpoint_url=ckpt,
-        checkpoint_every=4,
-        run_id="xr",
-        snapshot_dir=str(node),
-    )
+    run = start(1, ckpt, node)  # other weights: a load that did nothing would show
     dump(run, tmp / f"r{rank}-peer.pt")
     run.close()
 
     dist.barrier()
     empty = tmp / f"empty{rank}"
     empty.mkdir()
-    model, opt, sched = build(2)
-    run = Run(
-        model,
-        opt,
-        sched,
-        checkpoint_url=ckpt,
-        checkpoint_every=4,
-        run_id="xr",
-        snapshot_dir=str(empty),
-    )
+    run = start(2, ckpt, empty)
     dump(run, tmp / f"r{rank}-storage.pt")
     run.close()
     dist.destroy_process_group()
