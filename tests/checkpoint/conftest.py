@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 
 from elastic.checkpoint import CheckpointManager, StepInfo, find_latest_complete
 from elastic.checkpoint.config import CheckpointConfig
+from elastic.checkpoint.fence import CommitFence
 
 # The worker-config and S3 fixtures (the checkpoint tests that run our worker use them).
 from tests.training.conftest import launch, moto_s3, s3_env, tiny_config  # noqa: F401
@@ -85,6 +87,32 @@ def save_with_project(url: str, step: int, state: dict[str, Any], **kw: Any) -> 
     info = find_latest_complete(url, RUN, warn=False, secret=manager.secret)
     assert info is not None and info.step == step
     return info
+
+
+def small_state(value: float) -> dict[str, Any]:
+    """A small state (a model and a train section) whose every value is ``value``."""
+    return {
+        "model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},
+        "train": {"step": int(value), "epoch": 0, "consumed": 24 * int(value)},
+    }
+
+
+def small_manager(
+    url: str,
+    run: str = RUN,
+    keep_last: int = 3,
+    max_failures: int = 3,
+    commit_fence: CommitFence | None = None,
+) -> CheckpointManager:
+    """A manager that saves every step to ``url`` (run ``run``), fenced by ``commit_fence``."""
+    cfg = CheckpointConfig(url=url, interval=1, keep_last=keep_last, max_failures=max_failures)
+    return CheckpointManager(cfg, run, commit_fence=commit_fence)
+
+
+def load_small(manager: CheckpointManager, make: Callable[[], dict] | None = None) -> Any:
+    """``manager``'s newest loadable step and state (a :func:`small_state` template unless
+    ``make``), or None."""
+    return manager.load_latest(make or (lambda: small_state(0.0)))
 
 
 # Refuses every import of elastic (torch's import of DCP loads the torchrun.handlers entry

@@ -22,13 +22,11 @@ import torch
 
 from elastic.checkpoint import (
     COMMIT_MARKER,
-    CheckpointManager,
     find_latest_complete,
     inspect_step,
     list_steps,
     step_url,
 )
-from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.manager import FENCE_TIMEOUT_S
 from elastic.errors import CheckpointError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
@@ -36,26 +34,10 @@ from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.fence import FenceSpec, RoundFence, publish_round
 from elastic.rendezvous.keys import RunKeys
 
+from .conftest import RUN, load_small, small_manager, small_state
 from .flaky_fs import FAIL_ENV, register
 
-RUN = "r"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def _state(value: float) -> dict:
-    return {
-        "model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},
-        "train": {"step": int(value), "epoch": 0, "consumed": 24 * int(value)},
-    }
-
-
-def _manager(url: str, **kw: object) -> CheckpointManager:
-    cfg = CheckpointConfig(url=url, interval=1, keep_last=kw.pop("keep_last", 3), **kw)
-    return CheckpointManager(cfg, RUN)
-
-
-def _load(manager: CheckpointManager) -> tuple[int, dict] | None:
-    return manager.load_latest(lambda: _state(0.0))
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -66,11 +48,11 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_save_then_load_roundtrip(url: str) -> None:
-    manager = _manager(url)
+    manager = small_manager(url)
     for step in (1, 2):
-        manager.save(step, _state(float(step)))
+        manager.save(step, small_state(float(step)))
     manager.close()
-    step, state = _load(_manager(url))
+    step, state = load_small(small_manager(url))
     assert step == 2
     torch.testing.assert_close(state["model"]["w"], torch.full((64, 8), 2.0))
     assert state["train"] == {"step": 2, "epoch": 0, "consumed": 48}
@@ -81,12 +63,12 @@ def test_step_without_marker_is_never_loaded(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = str(tmp_path / "ckpt")
-    manager = _manager(url)
-    manager.save(1, _state(1.0), block=True)
-    manager.save(2, _state(2.0), block=True)
+    manager = small_manager(url)
+    manager.save(1, small_state(1.0), block=True)
+    manager.save(2, small_state(2.0), block=True)
     (tmp_path / "ckpt" / RUN / "step-2" / COMMIT_MARKER).unlink()
     with caplog.at_level(logging.WARNING):
-        step, state = _load(_manager(url))
+        step, state = load_small(small_manager(url))
     assert step == 1 and state["train"]["step"] == 1
     assert "step-2: no commit marker" in caplog.text
 
@@ -96,9 +78,9 @@ def test_damaged_shard_is_never_loaded(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = str(tmp_path / "ckpt")
-    manager = _manager(url)
-    manager.save(1, _state(1.0), block=True)
-    manager.save(2, _state(2.0), block=True)
+    manager = small_manager(url)
+    manager.save(1, small_state(1.0), block=True)
+    manager.save(2, small_state(2.0), block=True)
     shard = next((tmp_path / "ckpt" / RUN / "step-2").rglob("*.distcp"))
     data = bytearray(shard.read_bytes())
     if damage == "truncate":
@@ -107,7 +89,7 @@ def test_damaged_shard_is_never_loaded(
         data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        assert _load(_manager(url))[0] == 1
+        assert load_small(small_manager(url))[0] == 1
     expected = "truncated" if damage == "truncate" else "checksum mismatch"
     assert expected in caplog.text and "step-2" in caplog.text
     assert not inspect_step(url, RUN, 2).complete
@@ -117,9 +99,9 @@ def test_purge_keeps_last_and_never_the_newest_complete(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     partial = tmp_path / "ckpt" / RUN / "step-9"
     partial.mkdir(parents=True)  # an in-flight or crashed newer save
-    manager = _manager(url, keep_last=2)
+    manager = small_manager(url, keep_last=2)
     for step in range(1, 6):
-        manager.save(step, _state(float(step)))
+        manager.save(step, small_state(float(step)))
     manager.close()
     assert list_steps(url, RUN) == [9, 5, 4]
     assert find_latest_complete(url, RUN, warn=False).step == 5
@@ -127,8 +109,8 @@ def test_purge_keeps_last_and_never_the_newest_complete(tmp_path: Path) -> None:
 
 def test_refusing_fence_blocks_the_commit(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
-    manager = _manager(url)
-    manager.save(1, _state(1.0), block=True)
+    manager = small_manager(url)
+    manager.save(1, small_state(1.0), block=True)
     refuse = {"on": True}
 
     class Fence:  # a CommitFence that refuses commits while refuse["on"]
@@ -151,11 +133,11 @@ def test_refusing_fence_blocks_the_commit(tmp_path: Path) -> None:
                 self.kept.pop(step, None)
 
     manager.commit_fence = Fence()
-    outcome = manager.save(2, _state(2.0), block=True)
+    outcome = manager.save(2, small_state(2.0), block=True)
     assert not outcome.ok and "no longer current" in outcome.error
     assert find_latest_complete(url, RUN, warn=False).step == 1
     refuse["on"] = False
-    assert manager.save(3, _state(3.0), block=True).ok
+    assert manager.save(3, small_state(3.0), block=True).ok
     assert find_latest_complete(url, RUN).step == 3
 
 
@@ -164,15 +146,15 @@ def test_failing_storage_keeps_previous_and_stops_after_max(
 ) -> None:
     register()
     url = f"flaky://{tmp_path}/ckpt"
-    manager = _manager(url, max_failures=2)
-    manager.save(1, _state(1.0), block=True)
+    manager = small_manager(url, max_failures=2)
+    manager.save(1, small_state(1.0), block=True)
     monkeypatch.setenv(FAIL_ENV, "step-2,step-3")
-    outcome = manager.save(2, _state(2.0), block=True)
+    outcome = manager.save(2, small_state(2.0), block=True)
     assert not outcome.ok and "injected storage failure" in outcome.error
     assert manager.failures == 1
     assert find_latest_complete(url, RUN, warn=False).step == 1
     with pytest.raises(CheckpointError, match="2 checkpoint saves in a row failed"):
-        manager.save(3, _state(3.0), block=True)
+        manager.save(3, small_state(3.0), block=True)
     marker = json.loads((tmp_path / "ckpt" / RUN / "step-1" / COMMIT_MARKER).read_text())
     assert marker["step"] == 1 and step_url(url, RUN, 1).endswith("/r/step-1")
 
@@ -182,7 +164,7 @@ def test_leftovers_of_a_failed_attempt_are_replaced(tmp_path: Path) -> None:
     leftover = tmp_path / "ckpt" / RUN / "step-2"
     leftover.mkdir(parents=True)
     (leftover / "__7_0.distcp").write_bytes(b"from a crashed 8-rank attempt")
-    assert _manager(url).save(2, _state(2.0), block=True).ok
+    assert small_manager(url).save(2, small_state(2.0), block=True).ok
     assert not (leftover / "__7_0.distcp").exists()
     assert find_latest_complete(url, RUN).step == 2
 
@@ -190,9 +172,9 @@ def test_leftovers_of_a_failed_attempt_are_replaced(tmp_path: Path) -> None:
 def test_unreachable_storage_on_resume_is_a_checkpoint_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    manager = _manager(str(blocker / "ckpt"))
+    manager = small_manager(str(blocker / "ckpt"))
     with pytest.raises(CheckpointError, match="Cannot list checkpoints under"):
-        _load(manager)
+        load_small(manager)
 
 
 def test_an_etcd_outage_skips_saves_without_stalling_training(
@@ -203,16 +185,16 @@ def test_an_etcd_outage_skips_saves_without_stalling_training(
         publish_round(client, keys, 1)
     spec = FenceSpec(endpoints=own_etcd.endpoint, prefix="/elastic", run_id=run_id, round=1)
     url = str(tmp_path / "ckpt")
-    manager = _manager(url, max_failures=2)
+    manager = small_manager(url, max_failures=2)
     manager.commit_fence = RoundFence(spec)
-    assert manager.save(1, _state(1.0), block=True).ok
+    assert manager.save(1, small_state(1.0), block=True).ok
     assert own_etcd.proc is not None
     os.kill(own_etcd.proc.pid, signal.SIGSTOP)  # etcd hangs: requests get no answer
     try:
         stalls = []
         for step in (2, 3, 4, 5):
             started = time.perf_counter()
-            manager.save(step, _state(float(step)))  # async: waits for the previous save
+            manager.save(step, small_state(float(step)))  # async: waits for the previous save
             stalls.append(time.perf_counter() - started)
         outcome = manager.wait()
     finally:
@@ -223,7 +205,7 @@ def test_an_etcd_outage_skips_saves_without_stalling_training(
     assert max(stalls[2:]) < 1.0, stalls  # later saves skip at once
     assert find_latest_complete(url, RUN, warn=False).step == 1
     deadline = time.monotonic() + 60.0
-    while not (done := manager.save(6, _state(6.0), block=True)).ok:  # etcd answers again
+    while not (done := manager.save(6, small_state(6.0), block=True)).ok:  # etcd answers again
         assert done.skipped and time.monotonic() < deadline, done.error
         threading.Event().wait(0.2)
     assert find_latest_complete(url, RUN, warn=False).step == 6

@@ -31,14 +31,13 @@ from elastic.checkpoint import (
     list_steps,
     step_url,
 )
-from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.layout import purge
 from elastic.errors import CheckpointError, ConfigError
 from elastic.training.config import checkpoint_run_id, load_config
 
+from .conftest import RUN, load_small, small_manager, small_state
 from .flaky_fs import FAIL_ENV, register
 
-RUN = "r"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -47,25 +46,9 @@ def url(tmp_path: Path) -> str:
     return str(tmp_path / "ckpt")
 
 
-def _state(value: float) -> dict[str, Any]:
-    return {
-        "model": {"w": torch.full((64, 8), value), "b": torch.arange(4.0) + value},
-        "train": {"step": int(value), "epoch": 0, "consumed": 24 * int(value)},
-    }
-
-
-def _manager(url: str, run: str = RUN, keep_last: int = 3, **kw: Any) -> CheckpointManager:
-    cfg = CheckpointConfig(url=url, interval=1, keep_last=keep_last)
-    return CheckpointManager(cfg, run, **kw)
-
-
-def _load(manager: CheckpointManager, make: Callable[[], dict] | None = None) -> Any:
-    return manager.load_latest(make or (lambda: _state(0.0)))
-
-
 def _commit(manager: CheckpointManager, *steps: int) -> None:
     for step in steps:
-        outcome = manager.save(step, _state(float(step)), block=True)
+        outcome = manager.save(step, small_state(float(step)), block=True)
         assert outcome is not None and outcome.ok, outcome
 
 
@@ -114,12 +97,12 @@ def test_checkpoint_run_id_defaults_to_the_rendezvous_id() -> None:
 
 
 def test_another_runs_marker_is_never_loaded_as_ours(url: str, tmp_path: Path) -> None:
-    _commit(_manager(url), 1)
-    _commit(_manager(url, run="other"), 5)
+    _commit(small_manager(url), 1)
+    _commit(small_manager(url, run="other"), 5)
     shutil.copytree(tmp_path / "ckpt" / "other" / "step-5", tmp_path / "ckpt" / RUN / "step-5")
     info = inspect_step(url, RUN, 5)
     assert not info.complete and "belongs to run 'other'" in info.reason
-    assert _load(_manager(url))[0] == 1
+    assert load_small(small_manager(url))[0] == 1
 
 
 # 2. a fenced-out writer must not delete the newest complete checkpoint
@@ -130,18 +113,18 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 
 def test_refused_writer_never_touches_a_committed_step(url: str, tmp_path: Path) -> None:
-    _commit(_manager(url), 40, 50)
+    _commit(small_manager(url), 40, 50)
     before = _snapshot(tmp_path / "ckpt")
 
     class RefusesAtCommit(RecordingFence):  # refuses only at commit, after writing
         def commit(self, step: int, record: dict[str, Any]) -> None:
             raise CheckpointError("rendezvous round 7 is no longer current")
 
-    stale = _manager(url, commit_fence=RefusesAtCommit(round_=7))
-    outcome = stale.save(50, _state(99.0), block=True)
+    stale = small_manager(url, commit_fence=RefusesAtCommit(round_=7))
+    outcome = stale.save(50, small_state(99.0), block=True)
     assert outcome is not None and not outcome.ok
     assert find_latest_complete(url, RUN).step == 50
-    step, state = _load(_manager(url))
+    step, state = load_small(small_manager(url))
     assert step == 50 and state["train"]["step"] == 50
     torch.testing.assert_close(state["model"]["w"], torch.full((64, 8), 50.0))
     after = _snapshot(tmp_path / "ckpt")
@@ -149,11 +132,11 @@ def test_refused_writer_never_touches_a_committed_step(url: str, tmp_path: Path)
 
 
 def test_a_fence_that_refuses_up_front_writes_nothing(url: str, tmp_path: Path) -> None:
-    _commit(_manager(url), 40, 50)
+    _commit(small_manager(url), 40, 50)
     before = _snapshot(tmp_path / "ckpt")
     fence = RecordingFence(round_=7)
     fence.current = 8  # the job re-formed without this group
-    outcome = _manager(url, commit_fence=fence).save(50, _state(99.0), block=True)
+    outcome = small_manager(url, commit_fence=fence).save(50, small_state(99.0), block=True)
     assert outcome is not None and not outcome.ok and "no longer current" in outcome.error
     assert _snapshot(tmp_path / "ckpt") == before
 
@@ -162,16 +145,16 @@ def test_a_fence_that_refuses_up_front_writes_nothing(url: str, tmp_path: Path) 
 
 
 def test_purge_never_deletes_steps_newer_than_its_own_commit(url: str) -> None:
-    _commit(_manager(url), 60, 70)
-    _commit(_manager(url, keep_last=1), 50)  # a stale writer that slipped past its fence
+    _commit(small_manager(url), 60, 70)
+    _commit(small_manager(url, keep_last=1), 50)  # a stale writer that slipped past its fence
     assert list_steps(url, RUN) == [70, 60, 50]
 
 
 def test_purge_checks_the_fence_right_before_deleting(url: str) -> None:
     fence = RecordingFence()
-    _commit(_manager(url, commit_fence=fence), 1, 2)
+    _commit(small_manager(url, commit_fence=fence), 1, 2)
     assert purge(url, RUN, keep_last=1, protect=2, check=fence.check) == [1]
-    _commit(_manager(url, commit_fence=fence), 3)
+    _commit(small_manager(url, commit_fence=fence), 3)
 
     def refuse() -> None:
         raise CheckpointError("round 1 is no longer current")
@@ -185,9 +168,9 @@ def test_loading_prefers_steps_that_match_their_commit_record(
     url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     fence = RecordingFence()
-    _commit(_manager(url, commit_fence=fence), 10, 20)
-    _commit(_manager(url), 30)  # no fence: no record; not what the job committed
-    assert _load(_manager(url, commit_fence=fence))[0] == 20
+    _commit(small_manager(url, commit_fence=fence), 10, 20)
+    _commit(small_manager(url), 30)  # no fence: no record; not what the job committed
+    assert load_small(small_manager(url, commit_fence=fence))[0] == 20
     # a late marker from a stale writer replaces step 20's: it no longer matches its record
     marker = tmp_path / "ckpt" / RUN / "step-20" / COMMIT_MARKER
     forged = json.loads(marker.read_text())
@@ -199,13 +182,13 @@ def test_loading_prefers_steps_that_match_their_commit_record(
     forged["hmac"] = signing.sign(secret, content)
     marker.write_text(json.dumps(forged, sort_keys=True))
     with caplog.at_level(logging.WARNING):
-        assert _load(_manager(url, commit_fence=fence))[0] == 10
+        assert load_small(small_manager(url, commit_fence=fence))[0] == 10
     assert "does not match the commit record" in caplog.text
 
 
 def test_purged_steps_lose_their_commit_records(url: str) -> None:
     fence = RecordingFence()
-    _commit(_manager(url, keep_last=2, commit_fence=fence), 1, 2, 3, 4)
+    _commit(small_manager(url, keep_last=2, commit_fence=fence), 1, 2, 3, 4)
     assert sorted(fence.store) == [3, 4]
 
 
@@ -225,10 +208,10 @@ def test_purged_steps_lose_their_commit_records(url: str) -> None:
 def test_malformed_marker_falls_back_to_the_older_step(
     url: str, tmp_path: Path, marker: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _commit(_manager(url), 1, 2)
+    _commit(small_manager(url), 1, 2)
     (tmp_path / "ckpt" / RUN / "step-2" / COMMIT_MARKER).write_text(json.dumps(marker))
     with caplog.at_level(logging.WARNING):
-        assert _load(_manager(url))[0] == 1
+        assert load_small(small_manager(url))[0] == 1
     skipped = [
         r for r in caplog.records if r.levelno >= logging.WARNING and "step-2" in r.getMessage()
     ]
@@ -239,27 +222,27 @@ def test_malformed_marker_falls_back_to_the_older_step(
 
 
 def test_step_purged_mid_load_falls_back_to_an_older_one(url: str, tmp_path: Path) -> None:
-    _commit(_manager(url), 1, 2)
+    _commit(small_manager(url), 1, 2)
     calls = []
 
     def make_state() -> dict[str, Any]:
         if not calls:  # the purge of a concurrent writer strikes between choice and read
             shutil.rmtree(tmp_path / "ckpt" / RUN / "step-2")
         calls.append(1)
-        return _state(0.0)
+        return small_state(0.0)
 
-    step, state = _load(_manager(url), make_state)
+    step, state = load_small(small_manager(url), make_state)
     assert step == 1 and state["train"]["step"] == 1 and len(calls) == 2
 
 
 def test_no_readable_step_is_an_error_not_a_fresh_start(url: str, tmp_path: Path) -> None:
-    _commit(_manager(url), 1)
+    _commit(small_manager(url), 1)
 
     def make_state() -> dict[str, Any]:
         raise RuntimeError("template does not fit")
 
     with pytest.raises(CheckpointError, match=r"could be read.*template does not fit"):
-        _load(_manager(url), make_state)
+        load_small(small_manager(url), make_state)
 
 
 # 7. run ids that do not name one directory
@@ -268,7 +251,7 @@ def test_no_readable_step_is_an_error_not_a_fresh_start(url: str, tmp_path: Path
 @pytest.mark.parametrize("bad", [".", "..", "a/b", "a\0b", ""])
 def test_run_ids_that_escape_their_directory_are_refused(url: str, bad: str) -> None:
     with pytest.raises(ConfigError, match="run id"):
-        _manager(url, run=bad)
+        small_manager(url, run=bad)
     with pytest.raises(ConfigError, match="run id"):
         step_url(url, bad, 1)
     with pytest.raises(ConfigError, match="run_id"):
@@ -278,9 +261,9 @@ def test_run_ids_that_escape_their_directory_are_refused(url: str, bad: str) -> 
 
 
 def test_a_dot_run_never_deletes_another_runs_steps(url: str) -> None:
-    _commit(_manager(url, run="real"), 1, 2)
+    _commit(small_manager(url, run="real"), 1, 2)
     with pytest.raises(ConfigError):
-        _commit(_manager(url, run=".", keep_last=1), 3)
+        _commit(small_manager(url, run=".", keep_last=1), 3)
     assert list_steps(url, "real") == [2, 1]
 
 
@@ -330,14 +313,14 @@ def test_a_torn_marker_write_keeps_the_committed_step(
 
     fsspec.register_implementation("torn", TornFileSystem, clobber=True)
     url = f"torn://{tmp_path}/ckpt"
-    manager = _manager(url)
+    manager = small_manager(url)
     _commit(manager, 1, 2)
     monkeypatch.setattr(TornFileSystem, "tear", True)
-    outcome = manager.save(2, _state(22.0), block=True)
+    outcome = manager.save(2, small_state(22.0), block=True)
     assert outcome is not None and not outcome.ok and "half way" in outcome.error
     monkeypatch.setattr(TornFileSystem, "tear", False)
     assert find_latest_complete(url, RUN).step == 2
-    assert _load(_manager(url))[1]["train"]["step"] == 2
+    assert load_small(small_manager(url))[1]["train"]["step"] == 2
     leftovers = [p.name for p in (tmp_path / "ckpt" / RUN / "step-2").iterdir()]
     assert not [n for n in leftovers if n.endswith(".tmp")]
 
@@ -354,7 +337,7 @@ def test_marker_rename_is_made_durable_with_a_directory_fsync(
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    _commit(_manager(url), 1)
+    _commit(small_manager(url), 1)
     assert step_url(url, RUN, 1) in synced_dirs
 
 
@@ -362,21 +345,21 @@ def test_marker_rename_is_made_durable_with_a_directory_fsync(
 
 
 def test_purge_keeps_our_steps_over_a_foreign_complete_one(url: str, tmp_path: Path) -> None:
-    _commit(_manager(url, keep_last=2), 1, 2)
-    _commit(_manager(url, run="other"), 3)
+    _commit(small_manager(url, keep_last=2), 1, 2)
+    _commit(small_manager(url, run="other"), 3)
     shutil.copytree(tmp_path / "ckpt" / "other" / "step-3", tmp_path / "ckpt" / RUN / "step-3")
-    _commit(_manager(url, keep_last=2), 4)
+    _commit(small_manager(url, keep_last=2), 4)
     assert list_steps(url, RUN) == [4, 3, 2]  # ours kept; the foreign step is left alone
     assert not inspect_step(url, RUN, 3, "size").complete
 
 
 def test_a_same_size_file_from_another_save_is_caught(url: str, tmp_path: Path) -> None:
-    _commit(_manager(url), 1, 2)
+    _commit(small_manager(url), 1, 2)
     shards = {s: next((tmp_path / "ckpt" / RUN / f"step-{s}").rglob("*.distcp")) for s in (1, 2)}
     assert shards[1].parent != shards[2].parent and shards[1].name == shards[2].name
     shutil.copyfile(shards[1], shards[2])  # same size, another save's bytes
     assert "checksum mismatch" in inspect_step(url, RUN, 2, "full").reason
-    assert _load(_manager(url))[0] == 1
+    assert load_small(small_manager(url))[0] == 1
 
 
 # 10. whoever can write the storage must not run code in the workers
@@ -413,13 +396,13 @@ def test_a_forged_metadata_is_refused_before_it_is_unpickled(
     secret_file = tmp_path / "secret"
     secret_file.write_text("s3cr3t-shared-by-every-node")
     monkeypatch.setenv("ELASTIC_SECRET_FILE", str(secret_file))
-    _commit(_manager(url), 1)
+    _commit(small_manager(url), 1)
     run_dir = tmp_path / "ckpt" / RUN
     source = next((run_dir / "step-1").rglob(".metadata")).parent
     target = tmp_path / "pwned"
     _forge_step(run_dir, source, 2, target, attempt)
     try:
-        loaded = _load(_manager(url))
+        loaded = load_small(small_manager(url))
     finally:
         assert not target.exists(), "the forged .metadata was unpickled"
     assert loaded[0] == 1
