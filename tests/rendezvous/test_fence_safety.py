@@ -36,6 +36,18 @@ def _private_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture
+def keys(run_id: str) -> RunKeys:
+    """This run's keys under :data:`PREFIX`."""
+    return RunKeys(PREFIX, run_id)
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    """A checkpoint directory of this test's own."""
+    return str(tmp_path / "ckpt")
+
+
 def _fence(etcd: EtcdServer, run_id: str, round_: int) -> RoundFence:
     return RoundFence(
         FenceSpec(endpoints=etcd.endpoint, prefix=PREFIX, run_id=run_id, round=round_)
@@ -58,9 +70,8 @@ def _commit(manager: CheckpointManager, *steps: int) -> None:
 
 
 def test_the_fence_does_not_live_on_its_publishers_lease(
-    etcd: EtcdServer, client: EtcdClient, run_id: str
+    etcd: EtcdServer, client: EtcdClient, run_id: str, keys: RunKeys
 ) -> None:
-    keys = RunKeys(PREFIX, run_id)
     lease = client.grant(60)
     publish_round(client, keys, 5, lease)
     assert client.range(keys.fence).kvs[0].lease == 0  # survives the agent's lease
@@ -68,9 +79,8 @@ def test_the_fence_does_not_live_on_its_publishers_lease(
 
 
 def test_a_missing_fence_is_republished_by_the_current_round_only(
-    etcd: EtcdServer, client: EtcdClient, run_id: str
+    etcd: EtcdServer, client: EtcdClient, run_id: str, keys: RunKeys
 ) -> None:
-    keys = RunKeys(PREFIX, run_id)
     publish_round(client, keys, 5)
     client.delete(keys.fence)  # e.g. it was on an expired lease, or deleted by hand
     with pytest.raises(CheckpointError, match=r"round 3, but the current round in etcd is None"):
@@ -83,11 +93,9 @@ def test_a_missing_fence_is_republished_by_the_current_round_only(
 
 
 def test_commit_records_carry_the_marker_digest_and_purged_ones_go(
-    etcd: EtcdServer, client: EtcdClient, run_id: str, tmp_path: Path
+    etcd: EtcdServer, client: EtcdClient, run_id: str, keys: RunKeys, url: str
 ) -> None:
-    keys = RunKeys(PREFIX, run_id)
     publish_round(client, keys, 2)
-    url = str(tmp_path / "ckpt")
     _commit(_manager(url, _fence(etcd, run_id, 2), keep_last=2), 1, 2, 3, 4)
     records = _fence(etcd, run_id, 2).records()
     assert sorted(records) == [3, 4]
@@ -96,11 +104,9 @@ def test_commit_records_carry_the_marker_digest_and_purged_ones_go(
 
 
 def test_a_stale_round_writes_nothing_and_purges_nothing(
-    etcd: EtcdServer, client: EtcdClient, run_id: str, tmp_path: Path
+    etcd: EtcdServer, client: EtcdClient, run_id: str, keys: RunKeys, url: str
 ) -> None:
-    keys = RunKeys(PREFIX, run_id)
     publish_round(client, keys, 7)
-    url = str(tmp_path / "ckpt")
     stale = _manager(url, _fence(etcd, run_id, 7), keep_last=1)
     _commit(stale, 40)
     publish_round(client, keys, 8)
@@ -108,15 +114,13 @@ def test_a_stale_round_writes_nothing_and_purges_nothing(
     outcome = stale.save(70, _state(70.0), block=True)
     assert outcome is not None and not outcome.ok and "no longer the job" in outcome.error
     assert list_steps(url, "ckpt-run") == [60, 50, 40]
-    assert not (tmp_path / "ckpt" / "ckpt-run" / "step-70").exists()
+    assert not (Path(url) / "ckpt-run" / "step-70").exists()
 
 
 def test_loading_prefers_what_the_commit_records_vouch_for(
-    etcd: EtcdServer, client: EtcdClient, run_id: str, tmp_path: Path
+    etcd: EtcdServer, client: EtcdClient, run_id: str, keys: RunKeys, url: str
 ) -> None:
-    keys = RunKeys(PREFIX, run_id)
     publish_round(client, keys, 3)
-    url = str(tmp_path / "ckpt")
     _commit(_manager(url, _fence(etcd, run_id, 3)), 10, 20)
     _commit(_manager(url), 30)  # an unfenced writer in the same directory
     loaded = _manager(url, _fence(etcd, run_id, 3)).load_latest(lambda: _state(0.0))
