@@ -22,7 +22,7 @@ from elastic.rendezvous.announce import (
     announce_status,
     build_announce_handler,
 )
-from elastic.rendezvous.contract import ChangeKind
+from elastic.rendezvous.contract import ChangeKind, MembershipChange
 from elastic.rendezvous.options import RendezvousOptions
 from tests.helpers import wait_until
 
@@ -103,6 +103,29 @@ def join_all(handlers: list[AnnounceRendezvousHandler]) -> dict[str, RendezvousI
     return infos
 
 
+def start_joining(
+    h: AnnounceRendezvousHandler, joined: dict[str, RendezvousInfo]
+) -> threading.Thread:
+    """next_rendezvous of a newcomer in a thread; its info lands in ``joined``."""
+    thread = threading.Thread(target=lambda: joined.update({h.name: h.next_rendezvous()}))
+    thread.start()
+    return thread
+
+
+def changes_seen(
+    handlers: list[AnnounceRendezvousHandler], timeout: float, what: str
+) -> list[MembershipChange]:
+    """Once every one of ``handlers`` reports a membership change: their changes."""
+    return wait_until(
+        lambda: (
+            all(h.membership_change() for h in handlers)
+            and [h.membership_change() for h in handlers]
+        ),
+        timeout,
+        what,
+    )
+
+
 def kill(h: AnnounceRendezvousHandler) -> None:
     """As kill -9 of the node's agent: its threads stop and its probe port closes, while its
     lease lives on until it expires (or the reaper deletes its key)."""
@@ -155,22 +178,15 @@ def test_a_joiner_is_seen_as_joiners_and_taken_in_at_the_next_round(
     start = round_of(first[0])
     [late] = run.add(1)
     joined: dict[str, RendezvousInfo] = {}
-    thread = threading.Thread(target=lambda: joined.update(x=late.next_rendezvous()))
-    thread.start()
-    changes = wait_until(
-        lambda: (
-            all(h.membership_change() for h in first) and [h.membership_change() for h in first]
-        ),
-        30,
-        "the running nodes to see the joiner",
-    )
+    thread = start_joining(late, joined)
+    changes = changes_seen(first, 30, "the running nodes to see the joiner")
     assert {c.kind for c in changes} == {ChangeKind.JOINERS}, changes
     assert all(c.waiting >= 1 for c in changes)
     infos = join_all(first)
     thread.join(30)
-    assert "x" in joined
+    assert late.name in joined
     everyone = [*first, late]
-    infos[late.name] = joined["x"]
+    infos[late.name] = joined[late.name]
     assert_one_round(infos, everyone)
     assert round_of(late) == start + 1, "taken in with at most one extra round"
 
@@ -186,14 +202,7 @@ def test_a_killed_member_is_removed(nodes: Callable[..., Nodes]) -> None:
     revoked._stop_threads()
     revoked._lease.revoke()
     survivors = [handlers[0], handlers[3]]
-    changes = wait_until(
-        lambda: (
-            all(h.membership_change() for h in survivors)
-            and [h.membership_change() for h in survivors]
-        ),
-        30,
-        "the survivors to see the lost peers",
-    )
+    changes = changes_seen(survivors, 30, "the survivors to see the lost peers")
     assert {c.kind for c in changes} == {ChangeKind.PEERS_LOST}
     infos = join_all(survivors)
     assert_one_round(infos, survivors)
@@ -206,12 +215,7 @@ def test_ten_joiners_at_once_take_at_most_one_extra_round(nodes: Callable[..., N
     start = round_of(first[0])
     burst = run.add(10)
     joined: dict[str, RendezvousInfo] = {}
-    threads = [
-        threading.Thread(target=lambda h=h: joined.update({h.name: h.next_rendezvous()}))
-        for h in burst
-    ]
-    for t in threads:
-        t.start()
+    threads = [start_joining(h, joined) for h in burst]
     wait_until(lambda: all(h.membership_change() for h in first), 30, "JOINERS")
     infos = join_all(first)
     for t in threads:
@@ -331,15 +335,6 @@ def test_a_round_that_only_re_forms_the_previous_one_closes_without_the_last_cal
     assert early < last_call / 2, f"{early:.1f} s: a second last call after the join"
 
 
-def start_joining(
-    h: AnnounceRendezvousHandler, joined: dict[str, RendezvousInfo]
-) -> threading.Thread:
-    """next_rendezvous of a newcomer in a thread; its info lands in ``joined``."""
-    thread = threading.Thread(target=lambda: joined.update({h.name: h.next_rendezvous()}))
-    thread.start()
-    return thread
-
-
 def first_change_at(handlers: list[AnnounceRendezvousHandler], what: str) -> float:
     """When every one of ``handlers`` reported a membership change (polled every 10 ms)."""
     wait_until(lambda: all(h.membership_change() for h in handlers), 30, what, every=0.01)
@@ -433,19 +428,12 @@ def test_a_member_left_behind_by_close_timeout_is_no_joiner_until_it_announces(
     assert dropped is not None and dropped.kind is ChangeKind.DROPPED
 
     joined: dict[str, RendezvousInfo] = {}
-    thread = threading.Thread(target=lambda: joined.update(x=slow.next_rendezvous()))
-    thread.start()
-    changes = wait_until(
-        lambda: (
-            all(h.membership_change() for h in others) and [h.membership_change() for h in others]
-        ),
-        20,
-        "JOINERS",
-    )
+    thread = start_joining(slow, joined)
+    changes = changes_seen(others, 20, "JOINERS")
     assert {c.kind for c in changes} == {ChangeKind.JOINERS}
     infos = join_all(others)
     thread.join(30)
-    infos[slow.name] = joined["x"]
+    infos[slow.name] = joined[slow.name]
     assert_one_round(infos, handlers)
 
 
