@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +21,7 @@ from elastic.harness.cluster import (  # noqa: F401  (Node: re-exported)
     Node,
     agent_env,
     fast_conf,
+    poll,
 )
 from elastic.procs import alive as pid_alive  # noqa: F401  (re-exported for the tests)
 from elastic.procs import kill as kill_pid  # noqa: F401  (re-exported for the tests)
@@ -37,14 +37,12 @@ FAST_CONF = fast_conf(join_timeout=60)
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str, every: float = 0.1) -> T:
     """Poll ``predicate`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(every)
+    return poll(
+        predicate,
+        timeout,
+        every,
+        timed_out=lambda: AssertionError(f"timed out after {timeout} s waiting for {what}"),
+    )
 
 
 def node_env(**extra: str) -> dict[str, str]:

@@ -69,6 +69,29 @@ class WaitTimeout(ElasticError):
     every agent exited first."""
 
 
+def poll(
+    predicate: Callable[[], T | None],
+    timeout: float,
+    every: float,
+    timed_out: Callable[[], Exception],
+    stopped: Callable[[], Exception | None] = lambda: None,
+) -> T:
+    """Call ``predicate`` every ``every`` s until it returns something truthy and return
+    that; raise ``timed_out()`` once ``timeout`` s passed, or what ``stopped()`` returns as
+    soon as it returns an exception (the state can no longer come)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise timed_out()
+        error = stopped()
+        if error is not None:
+            raise error
+        time.sleep(every)
+
+
 def fast_conf(join_timeout: float, backend: str = ETCD_V3) -> str:
     """The tuned ``--rdzv-conf`` with ``join_timeout``: our ``fast-failover`` profile for
     ``etcd-v3``, the same settings spelled out for torch's own backends."""
@@ -453,20 +476,23 @@ class LocalCluster:
         """Poll ``predicate`` until it returns something truthy and return that; raise
         :class:`WaitTimeout` after ``timeout`` s or, with ``while_running``, once every
         agent has exited."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"timed out after {timeout:.0f} s waiting for {what} (logs in {self.run_dir})"
-                )
+
+        def exited() -> Exception | None:
             if while_running and self.nodes and not self.running():
-                raise WaitTimeout(
+                return WaitTimeout(
                     f"every agent exited while waiting for {what} (logs in {self.run_dir})"
                 )
-            time.sleep(every)
+            return None
+
+        return poll(
+            predicate,
+            timeout,
+            every,
+            timed_out=lambda: WaitTimeout(
+                f"timed out after {timeout:.0f} s waiting for {what} (logs in {self.run_dir})"
+            ),
+            stopped=exited,
+        )
 
     def wait_for_step(self, step: int, timeout: float) -> int:
         """Wait until the newest step is ``step`` or later; return it."""
