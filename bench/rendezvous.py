@@ -1105,31 +1105,26 @@ def configure(args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    def flag(name: str, what: str) -> None:
+        parser.add_argument(name, action="store_true", help=what)
+
     parser.add_argument("--nodes", default="8,32,128", help="comma-separated node counts")
     parser.add_argument("--repeats", type=int, default=1, help="rounds per backend and N")
     parser.add_argument("--latency-ops", type=int, default=100, help="ops per latency probe")
-    parser.add_argument(
-        "--etcd-no-fsync",
-        action="store_true",
-        help="also run etcd-v3 on an etcd with --unsafe-no-fsync (not a goal)",
-    )
-    parser.add_argument(
-        "--pregrant-lease",
-        action="store_true",
-        help="also run etcd-v3 with each lease granted before the round (not a goal)",
+    flag("--etcd-no-fsync", "also run etcd-v3 on an etcd with --unsafe-no-fsync (not a goal)")
+    flag(
+        "--pregrant-lease", "also run etcd-v3 with each lease granted before the round (not a goal)"
     )
     parser.add_argument("--join-timeout", type=int, default=120, help="seconds, both backends")
     parser.add_argument("--keep-alive-interval", type=int, default=5, help="seconds, both")
-    parser.add_argument(
+    flag(
         "--torch-method-names",
-        action="store_true",
-        help="keep torch's inspect.stack()-based event names (128 threads then livelock)",
+        "keep torch's inspect.stack()-based event names (128 threads then livelock)",
     )
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
-    parser.add_argument(
-        "--single-process",
-        action="store_true",
-        help="the old bench: single-key vs c10d, every node a thread of this process",
+    flag(
+        "--single-process", "the old bench: single-key vs c10d, every node a thread of this process"
     )
     parser.add_argument("--procs", type=int, default=8, help="worker processes (multi-process)")
     parser.add_argument("--algos", default=",".join(ALGOS), help="which to run (multi-process)")
