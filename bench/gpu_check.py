@@ -143,6 +143,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="snapshot: interleaved rounds")
     p.add_argument("--steps", type=int, default=20, help="snapshot: steps per run")
     p.add_argument("--json-out", type=Path)
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep the runs' logs and event logs here (default: a temp dir)",
+    )
     # The user's script on elastic.Run, as the in-place scenarios' agents run it.
     w = p.add_argument_group("worker (run by the agents, not by hand)")
     w.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -411,6 +416,8 @@ def inplace_scenario(
         for name, device in zip(names, devices, strict=True):
             cluster.start(name, extra_env={"CUDA_VISIBLE_DEVICES": device} if device else None)
         frozen: list[int] = []
+        before: dict[str, list[int]] | None = None
+        fault_at: float | None = None
         try:
             cluster.wait_for_world(ranks, 0.0, timeout=max(timeout, 300))
             cluster.train_more(WARM_STEPS, timeout)
@@ -424,12 +431,13 @@ def inplace_scenario(
             else:
                 frozen = before[victim]
                 _signal(frozen, signal.SIGSTOP)
+            start = fault_at
             first = cluster.wait_for(
-                lambda: first_recovered_step(cluster, fault_at), "a recovered step", timeout
+                lambda: first_recovered_step(cluster, start), "a recovered step", timeout
             )
         except WaitTimeout as exc:
             entry.update(recovered=False, error=str(exc))
-            return _finish(cluster, entry, frozen, names, survivors, None, None)
+            return _finish(cluster, entry, frozen, names, survivors, before, fault_at)
         entry.update(
             recovered=True,
             recover_s=round(first["ts"] - fault_at, 3),
@@ -595,8 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         **plan(args, cuda, gpus),
     }
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        base = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        base = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        base.mkdir(parents=True, exist_ok=True)
         if "snapshot" in args.checks:
             result["snapshot"] = snapshot_stall(device, args.rounds, args.steps)
         if "restart" in args.checks:
