@@ -17,6 +17,12 @@ A save has three phases:
    (the save is durable from here on: ``durable_s``); then it purges old steps
    (fenced, never newer than its own step).
 
+What the ranks tell each other (the step to load, the attempt, each rank's files and
+errors, the verdict) travels as length-prefixed JSON bytes in uint8 tensors, never as
+pickles: every rank decodes the same bytes and checks their size (at most
+:data:`MAX_WIRE` bytes per rank) and their shape before use, so a peer that sends
+something else makes every rank raise the same :class:`~elastic.errors.CheckpointError`.
+
 Loading tries the best complete step (one whose marker matches its etcd commit
 record first) and falls back to the next older one when a step cannot be read
 (a purge racing the reader, a corrupt file): every rank tries the same step.
@@ -36,6 +42,7 @@ round is stale) is still a failure.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -46,6 +53,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -87,6 +95,7 @@ _AUTO: Any = object()
 _WRITER_NICENESS = 10
 FENCE_TIMEOUT_S = 3.0  # how long a save waits for etcd to answer one fence call
 _SKIPPED = "skipped: "  # an outcome error with this prefix is a skipped save, not a failure
+MAX_WIRE = 8 << 20  # bytes of JSON one rank may send in one of the manager's collectives
 
 
 @dataclass
@@ -148,7 +157,7 @@ class CheckpointManager:
             local = ""
         except Exception as exc:  # any storage error: report it in one sentence
             local = f"rank {self.rank}: {type(exc).__name__}: {exc}".splitlines()[0]
-        problems = [p for p in self._gather(local) if p]
+        problems = [p for p in self._gather(local, _string) if p]
         if problems:
             raise CheckpointError(
                 f"Cannot write checkpoints under {url} ({problems[0]}); make the storage "
@@ -222,12 +231,7 @@ class CheckpointManager:
         candidates = _Candidates(self) if self.rank == 0 else None
         tried: list[str] = []
         while True:
-            chosen: list[Any] = [candidates.next() if candidates is not None else None]
-            if self.distributed:
-                dist.broadcast_object_list(
-                    chosen, src=_global_rank(self.group, 0), group=self.group
-                )
-            choice = chosen[0]
+            choice = self._broadcast(candidates.next() if candidates is not None else None, _choice)
             if isinstance(choice, str):
                 raise CheckpointError(
                     f"Cannot list checkpoints under {self.cfg.url}: {choice}. Check "
@@ -268,7 +272,7 @@ class CheckpointManager:
             )
         except (Exception, CheckpointException) as exc:  # DCP wraps storage errors
             error = _root_cause(exc)
-        errors = [e for e in self._gather(error) if e]
+        errors = [e for e in self._gather(error, _string) if e]
         if errors:
             logger.warning(
                 "Cannot load checkpoint %s (%s); trying the next older complete step.",
@@ -310,7 +314,7 @@ class CheckpointManager:
                 local.update(ok=False, error=_root_cause(exc))
         else:
             local.update(ok=False, error=attempt)
-        outcome = self._commit(step, url, attempt, self._gather(local))
+        outcome = self._commit(step, url, attempt, self._gather(local, _result))
         if not outcome.ok:  # every rank alike: the next save sends full plans again
             FastSavePlanner.forget(self._plan_key)
         outcome.blocking_s = blocking
@@ -324,39 +328,41 @@ class CheckpointManager:
 
         Returns the attempt (``save-<nonce>``) or, when the fence refuses, the error.
         """
-        chosen: list[Any] = [None]
+        chosen = ""
         if self.rank == 0:
             try:
                 self._fence().check()
-                chosen = [new_attempt()]
+                chosen = new_attempt()
             except _Unfenced as exc:  # etcd does not answer: skip this save
-                chosen = [f"{_SKIPPED}{exc}"]
+                chosen = f"{_SKIPPED}{exc}"
             except Exception as exc:  # a refused fence: write nothing at all
-                chosen = [f"commit refused: {type(exc).__name__}: {exc}"]
-        if self.distributed:
-            dist.broadcast_object_list(chosen, src=_global_rank(self.group, 0), group=self.group)
-        return str(chosen[0])
+                chosen = f"commit refused: {type(exc).__name__}: {exc}"
+        return str(self._broadcast(chosen, _string))
 
     def _fence(self) -> _Fence:
         return _Fence(self.commit_fence, self._gate)
 
-    def _gather(self, local: Any) -> list[Any]:
+    def _gather(self, local: Any, check: Callable[[Any, str], Any]) -> list[Any]:
+        """Every rank's ``local`` (JSON), in rank order, each checked by ``check``."""
         if not self.distributed:
             return [local]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, local, group=self.group)
-        return everyone
+        return all_gather_json(local, check, self.group)
+
+    def _broadcast(self, value: Any, check: Callable[[Any, str], Any]) -> Any:
+        """Rank 0's ``value`` (JSON) on every rank, checked by ``check``."""
+        if not self.distributed:
+            return value
+        return broadcast_json(value, check, self.group)
 
     def _commit(
         self, step: int, url: str, attempt: str, results: list[dict[str, Any]]
     ) -> SaveOutcome:
-        verdict: list[Any] = [None]
+        verdict: dict[str, Any] = {}
         if self.rank == 0:
-            verdict = [self._commit_on_rank0(step, url, attempt, results)]
-        if self.distributed:
-            dist.broadcast_object_list(verdict, src=_global_rank(self.group, 0), group=self.group)
-        ok, error, files = verdict[0]
-        return SaveOutcome(step, ok, error, files=files)
+            ok, error, files = self._commit_on_rank0(step, url, attempt, results)
+            verdict = {"ok": ok, "error": error, "files": files}
+        verdict = self._broadcast(verdict, _result)
+        return SaveOutcome(step, verdict["ok"], verdict["error"], files=verdict["files"])
 
     def _commit_on_rank0(
         self, step: int, url: str, attempt: str, results: list[dict[str, Any]]
@@ -619,6 +625,162 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     if group is None:
         return group_rank
     return dist.get_global_rank(group, group_rank)
+
+
+# -- the ranks' messages: bounded JSON in uint8 tensors, checked on receipt ------------------
+
+
+def broadcast_json(
+    value: Any, check: Callable[[Any, str], Any], group: dist.ProcessGroup | None = None
+) -> Any:
+    """Group rank 0's ``value`` (JSON-encodable) on every rank of ``group``, checked.
+
+    Two broadcasts: the length (one int64), then the bytes. Every rank, rank 0 included,
+    decodes and checks the same bytes, so every rank returns or raises alike.
+
+    Raises:
+        CheckpointError: the length is out of bounds, the bytes are no JSON, or ``check``
+            refuses the value.
+    """
+    src = _global_rank(group, 0)
+    device = _device(group)
+    mine = _encode(value) if dist.get_rank(group) == 0 else b""
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    n = _bounded(int(size.item()), 0)
+    data = _tensor(mine, n, device)
+    dist.broadcast(data, src=src, group=group)
+    return check(_decode(data, n, 0), "rank 0")
+
+
+def all_gather_json(
+    value: Any, check: Callable[[Any, str], Any], group: dist.ProcessGroup | None = None
+) -> list[Any]:
+    """Every rank's ``value`` (JSON-encodable), in group rank order, each checked.
+
+    Two all-gathers: the lengths (one int64 each), then the bytes padded to the longest.
+
+    Raises:
+        CheckpointError: a length is out of bounds, a rank's bytes are no JSON, or
+            ``check`` refuses a rank's value (on every rank alike).
+    """
+    device = _device(group)
+    world = dist.get_world_size(group)
+    mine = _encode(value)
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [_bounded(int(s.item()), rank) for rank, s in enumerate(sizes)]
+    longest = max(lengths)
+    data = _tensor(mine, longest, device)
+    everyone = [torch.zeros_like(data) for _ in range(world)]
+    dist.all_gather(everyone, data, group=group)
+    return [
+        check(_decode(t, n, rank), f"rank {rank}")
+        for rank, (t, n) in enumerate(zip(everyone, lengths, strict=True))
+    ]
+
+
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the messages' tensors live: the GPU for a pure NCCL group, else the CPU."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _encode(value: Any) -> bytes:
+    """``value`` as JSON bytes (one too long is refused by :func:`_bounded` on every rank)."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _bounded(n: int, rank: int) -> int:
+    if not 0 <= n <= MAX_WIRE:
+        raise CheckpointError(
+            f"Rank {rank} announced a checkpoint message of {n} bytes, outside 0..{MAX_WIRE}; "
+            "it is not received: check that every node runs the same version."
+        )
+    return n
+
+
+def _tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    """``data`` in a uint8 tensor of ``size`` bytes (zero-padded; empty: a receive buffer)."""
+    out = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out.to(device)
+
+
+def _decode(t: torch.Tensor, n: int, rank: int) -> Any:
+    raw = t[:n].cpu().numpy().tobytes()
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"Rank {rank} sent a checkpoint message that is no JSON ({exc}); check that every "
+            "node runs the same version."
+        ) from exc
+
+
+def _refuse(sender: str, what: str, value: Any) -> CheckpointError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return CheckpointError(
+        f"The checkpoint message from {sender} is not {what} (it holds {shown}); check that "
+        "every node runs the same version."
+    )
+
+
+def _string(value: Any, sender: str) -> str:
+    """A one-line error, an attempt name, or ``""``."""
+    if not isinstance(value, str):
+        raise _refuse(sender, "a string", value)
+    return value
+
+
+def _files(value: Any, sender: str) -> dict[str, dict[str, Any]]:
+    """File name -> its record (size, digests): JSON scalars only."""
+    scalars = (str, int, float, bool, type(None))
+    if not isinstance(value, dict) or not all(
+        isinstance(name, str)
+        and isinstance(record, dict)
+        and all(isinstance(k, str) and isinstance(v, scalars) for k, v in record.items())
+        for name, record in value.items()
+    ):
+        raise _refuse(sender, "a map of file records", value)
+    return value
+
+
+def _result(value: Any, sender: str) -> dict[str, Any]:
+    """A rank's save result, or rank 0's verdict: ``{ok, error, files}``."""
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"ok", "error", "files"}
+        or not isinstance(value["ok"], bool)
+        or not isinstance(value["error"], str)
+    ):
+        raise _refuse(sender, "a save result", value)
+    _files(value["files"], sender)
+    return value
+
+
+def _choice(value: Any, sender: str) -> dict[str, Any] | str | None:
+    """Rank 0's next step to try (``{step, url, step_dir, metadata}``), the listing's
+    error, or None (no step left)."""
+    if value is None or isinstance(value, str):
+        return value
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"step", "url", "step_dir", "metadata"}
+        or type(value["step"]) is not int
+        or value["step"] < 0
+        or not isinstance(value["url"], str)
+        or not isinstance(value["step_dir"], str)
+    ):
+        raise _refuse(sender, "a checkpoint step", value)
+    metadata = value["metadata"]
+    if metadata is not None:
+        _files({".metadata": metadata}, sender)
+    return value
 
 
 __all__ = ["CheckpointManager", "CommitFence", "SaveOutcome"]
