@@ -16,14 +16,19 @@ so that a change in the machine's load hits them all alike:
   revision ``REV``, in a second worker process whose saves alternate with ours;
 * ``--signed``: both managers sign their markers with a (fixed) job secret, so files are
   vouched for by the signed runs' digest (a SHA-256 tree since marker version 3, CRC-32
-  before); without it they are unsigned (CRC-32).
+  before); without it they are unsigned (CRC-32);
+* ``--variants unsigned signed``: one worker per variant (and per baseline), all in the
+  same rounds, so signed and unsigned saves and ``torch.save`` see the same machine state;
+  their results are keyed ``ours-unsigned``, ``ours-signed`` (``baseline-...``).
 
 Ratios: ``durable_vs_torch_save``, ``blocking_vs_copy``, ``persist_vs_fsync``. Each
-figure is the median over the rounds; the JSON records the git commit, the load
-average and the ``elastic`` package each worker imported.
+figure is the median over the rounds (``*_range``: the min and max of the per-round
+ratios, each against that round's own ``torch.save``, copy and fsync figures); the JSON
+records the git commit, the load average and the ``elastic`` package each worker imported.
 
 Usage: ``python bench/checkpoint.py [--models resnet18 resnet50] [--repeats 5]
-[--baseline REV] [--signed] [--dir /tmp/x] [--json-out PATH]``
+[--baseline REV | --baseline-path DIR] [--signed | --variants unsigned signed]
+[--dir /tmp/x] [--json-out PATH]``
 """
 
 from __future__ import annotations
@@ -206,8 +211,17 @@ def _summary(saves: list[dict[str, Any]], nbytes: int, package: dict[str, Any]) 
     }
 
 
+def _range(values: list[float]) -> list[float]:
+    return [round(min(values), 2), round(max(values), 2)]
+
+
 def bench_model(
-    name: str, root: Path, repeats: int, baseline: str | None, dcp_paths: bool, signed: bool
+    name: str,
+    root: Path,
+    repeats: int,
+    baseline: str | None,
+    dcp_paths: bool,
+    variants: list[str],
 ) -> dict[str, Any]:
     """Measure every save path for one model's state, interleaved in rounds."""
     state = _state(name)
@@ -246,9 +260,14 @@ def bench_model(
         getattr(response, "upload_completion", response).result()
         return ms
 
-    workers = {"ours": _Worker("ours", name, root, str(_repo()), signed)}
+    packages = {"ours": str(_repo())}
     if baseline is not None:
-        workers["baseline"] = _Worker("baseline", name, root, baseline, signed)
+        packages["baseline"] = baseline
+    workers: dict[str, _Worker] = {}
+    for who, pythonpath in packages.items():
+        for variant in variants:
+            key = who if len(variants) == 1 else f"{who}-{variant}"
+            workers[key] = _Worker(key, name, root, pythonpath, variant == "signed")
     times: dict[str, list[float]] = {
         "fsync_mb_s": [],
         "copy_prealloc_ms": [],
@@ -258,7 +277,7 @@ def bench_model(
     }
     saves: dict[str, list[dict[str, Any]]] = {k: [] for k in workers}
     for round_ in range(repeats):
-        order = list(workers) if round_ % 2 == 0 else list(reversed(workers))
+        order = list(workers)[round_ % len(workers) :] + list(workers)[: round_ % len(workers)]
         times["fsync_mb_s"].append(_fsync_mb_s(root, random, nbytes))
         times["copy_prealloc_ms"].append(statistics.median(_ms(copy) for _ in range(3)))
         times["torch_save_ms"].append(torch_save())
@@ -280,6 +299,22 @@ def bench_model(
         summary["durable_vs_torch_save"] = round(summary["durable_ms"] / result["torch_save_ms"], 2)
         summary["blocking_vs_copy"] = round(summary["blocking_ms"] / result["copy_prealloc_ms"], 2)
         summary["persist_vs_fsync"] = round(summary["persist_mb_s"] / result["fsync_mb_s"], 2)
+        per_round = list(zip(saves[key], times["torch_save_ms"], times["fsync_mb_s"], strict=True))
+        summary["durable_vs_torch_save_range"] = _range(
+            [s["durable_s"] * 1e3 / t for s, t, _ in per_round]
+        )
+        summary["persist_vs_fsync_range"] = _range(
+            [
+                nbytes / max(s["durable_s"] - s["blocking_s"], 1e-9) / 1e6 / f
+                for s, _, f in per_round
+            ]
+        )
+        summary["blocking_vs_copy_range"] = _range(
+            [
+                s["blocking_s"] * 1e3 / c
+                for s, c in zip(saves[key], times["copy_prealloc_ms"], strict=True)
+            ]
+        )
         result[key] = summary
     return result
 
@@ -313,9 +348,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
     parser.add_argument("--baseline", help="git revision whose elastic package to compare")
+    parser.add_argument(
+        "--baseline-path",
+        type=Path,
+        help="a directory holding the elastic package to compare (instead of --baseline)",
+    )
     parser.add_argument("--no-dcp", action="store_true", help="skip torch's own DCP paths")
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
     parser.add_argument("--signed", action="store_true", help="sign the markers (a job secret)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=["unsigned", "signed"],
+        help="one worker per variant, interleaved in the same rounds (overrides --signed)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -323,12 +369,15 @@ def main() -> None:
     if args.worker:
         _worker_main(args.worker, args.dir, sys.stdout, args.signed)
         return
+    variants = args.variants or (["signed"] if args.signed else ["unsigned"])
     load_before = os.getloadavg()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         baseline = _export(args.baseline, Path(tmp)) if args.baseline else None
+        if args.baseline_path is not None:
+            baseline = str(args.baseline_path.resolve())
         results = [
-            bench_model(name, Path(tmp), args.repeats, baseline, not args.no_dcp, args.signed)
+            bench_model(name, Path(tmp), args.repeats, baseline, not args.no_dcp, variants)
             for name in args.models
         ]
     dist.destroy_process_group()
@@ -337,13 +386,14 @@ def main() -> None:
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", "elastic")),
         "baseline": _git("rev-parse", args.baseline) if args.baseline else None,
+        "baseline_path": str(args.baseline_path) if args.baseline_path else None,
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
         "cpus": os.cpu_count(),
         "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "repeats": args.repeats,
-        "signed": args.signed,
+        "variants": variants,
         "results": results,
     }
     text = json.dumps(report, indent=2)
