@@ -51,11 +51,23 @@ a failure and spends a restart; ours re-forms without spending one.
 with ``kill -9``, under c10d-tuned and, as a control, under ours; reports whether
 n2 ever trains at world 1 (within ``--event-timeout``) and how its agent ended.
 
+``plain-warm`` / ``plain-cold`` (``--backends``; the ``worker_kill`` scenario): a plain
+torchrun-style DDP script (``tests/scripts/plain_ddp.py``: no ``elastic.Run``, no checkpoint,
+gloo, ``--step-delay=0.25``) under our agent, n1 and n2 (one worker each) train, then the
+worker of n2 and then that of n1 is killed with ``kill -9`` (``worker_kill``, world 2 -> 2):
+the agents restart their workers (the fallback path of a script not on ``elastic.Run``),
+forked from the warm fork server (``plain-warm``) or as fresh processes (``plain-cold``:
+``ELASTIC_WARM_START=0``). ``recover_s``: the kill to the first step by a new worker
+process (goal: <= 1.0 s warm). Both run in the same repeat loop, interleaved with the
+others given.
+
 The nodes are started and driven by :class:`elastic.harness.cluster.LocalCluster`, and the
 scenario is :func:`elastic.harness.cluster.membership_scenario` (``elastic demo`` runs it too).
 The JSON output records the git commit and the UTC time of the run (``provenance``).
 
-Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--json-out PATH]``
+Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--backends LIST]
+[--json-out PATH]`` (``--backends plain-warm,plain-cold --no-host-kill``: the plain-script
+paths alone)
 """
 
 from __future__ import annotations
@@ -108,8 +120,15 @@ CKPT_INTERVAL = 5
 MAX_STEPS = 2000  # never reached: the bench stops the job after the last event
 STEPS_BETWEEN = 8
 FREEZE_S = 10  # how long a frozen node stays frozen before SIGCONT
-KINDS = ("join", "leave", "kill", "freeze", "thaw")
-_COMMON = {"nnodes": "1:3", "max_restarts": 10, "monitor_interval": 0.3, "join_timeout": 120}
+KINDS = ("join", "leave", "kill", "freeze", "thaw", "worker_kill")
+PLAIN = ("plain-warm", "plain-cold")  # a plain torchrun-style script: the worker_kill scenario
+KILLS_PER_RUN = 2  # worker_kill: n2's worker, then n1's
+_COMMON: dict[str, Any] = {
+    "nnodes": "1:3",
+    "max_restarts": 10,
+    "monitor_interval": 0.3,
+    "join_timeout": 120,
+}
 LAUNCHERS = {  # name -> how its nodes start
     "ours": AgentOptions(**_COMMON),
     "user-inplace": AgentOptions(**_COMMON),
@@ -118,7 +137,10 @@ LAUNCHERS = {  # name -> how its nodes start
         torchrun=True, backend=C10D, rdzv_conf=FAST_FAILOVER_CONF, **_COMMON
     ),
     "c10d-default": AgentOptions(torchrun=True, backend=C10D, rdzv_conf="", **_COMMON),
+    "plain-warm": AgentOptions(**_COMMON),
+    "plain-cold": AgentOptions(**_COMMON),
 }
+PLAIN_SCRIPT = str(REPO / "tests" / "scripts" / "plain_ddp.py")
 
 
 # A user's own script on elastic.Run (examples/train_ddp.py), paced like our worker:
@@ -137,6 +159,12 @@ def make_cluster(name: str, run_dir: Path) -> LocalCluster:
     if script is not None:
         script = [*script, f"--ckpt={run_dir / 'ckpt'}"]
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if options.backend == C10D else {}
+    if name in PLAIN:
+        (run_dir / "out").mkdir(parents=True, exist_ok=True)
+        script = [PLAIN_SCRIPT, str(run_dir / "out"), f"--stop-file={run_dir / 'stop'}"]
+        script.append(f"--step-delay={MIN_STEP_S}")
+        if name == "plain-cold":
+            extra["ELASTIC_WARM_START"] = "0"
     return LocalCluster(
         run_dir,
         f"bench-{uuid.uuid4().hex[:8]}",
@@ -286,6 +314,54 @@ def freeze(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
     return [entry, back]
 
 
+def _plain_starts(cluster: LocalCluster) -> list[dict[str, Any]]:
+    """What each start of the plain script wrote (pid, rank, restart), oldest first."""
+    found = []
+    for path in (cluster.run_dir / "out").glob("start-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            start = json.loads(path.read_text())
+            found.append({k: start[k] for k in ("pid", "ppid", "restart", "preloaded")})
+            found[-1]["rank"] = int(start["env"]["RANK"])
+    return sorted(found, key=lambda s: (s["restart"], s["rank"]))
+
+
+def worker_kill(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
+    """n1 and n2 train the plain script; kill -9 n2's worker, then n1's: the kill to the
+    first step of a new worker process (``recover_s``), and whether it started warm."""
+    start_pair(cluster, ("n1", "n2"), STEPS_BETWEEN, timeout)
+    out = []
+    for i in range(KILLS_PER_RUN):
+        rank = 1 - i % 2  # n2 holds rank 1 (it joined second), then n1's rank 0
+        current = _plain_starts(cluster)
+        newest = max(s["restart"] for s in current)
+        victim = next(s for s in current if s["restart"] == newest and s["rank"] == rank)
+        writer = cluster.steps()[-1]["pid"]
+        before = cluster.last_step()
+        t0 = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+        entry: dict[str, Any] = {"kind": "worker_kill", "node": f"rank {rank}", "world": 2}
+        entry.update(t=round(t0, 3), step_before=before)
+
+        def first_new(t0: float = t0, writer: int = writer) -> dict[str, Any] | None:
+            later = [e for e in cluster.steps() if e["ts"] > t0 and e["pid"] != writer]
+            return later[0] if later else None
+
+        try:
+            first = cluster.wait_for(first_new, "a step by a new worker", timeout)
+        except WaitTimeout as exc:
+            entry.update(recover_s=None, error=str(exc))
+            out.append(entry)
+            return out
+        entry.update(recover_s=round(first["ts"] - t0, 2), first_step=first["step"])
+        entry["steps_lost"] = before  # a plain script starts over: every step is redone
+        news = [s for s in _plain_starts(cluster) if s["restart"] > newest]
+        entry["warm"] = bool(news) and all("torch" in s["preloaded"] for s in news)
+        _annotate(cluster, entry, first)
+        out.append(entry)
+        cluster.train_more(STEPS_BETWEEN, timeout)
+    return out
+
+
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -355,12 +431,14 @@ def run_one(
 def scenario_result(
     name: str, base: Path, args: argparse.Namespace, kind: str = "membership"
 ) -> dict[str, Any]:
-    body = scenario if kind == "membership" else freeze
+    bodies = {"membership": scenario, "freeze": freeze, "worker_kill": worker_kill}
+    if name in PLAIN:
+        kind = "worker_kill"
     found, cluster, total, error, restarts = run_one(
-        name, base, args.event_timeout, args.keep, body
+        name, base, args.event_timeout, args.keep, bodies[kind]
     )
     evs = found or []
-    want = 3 if kind == "membership" else 2
+    want = {"membership": 3, "freeze": 2, "worker_kill": KILLS_PER_RUN}[kind]
     ok = error is None and len(evs) == want and all(e["recover_s"] is not None for e in evs)
     out = {
         "backend": name,
@@ -437,7 +515,7 @@ def spread(results: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]
     return out
 
 
-def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, bool]:
+def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, bool | None]:
     ratio = summary.get("kill_recovery_ratio_ours_over_c10d_tuned")
     ours = [e for r in results if r["backend"] == "ours" for e in r["events"]]
     planned = [e for e in ours if e["kind"] in ("join", "leave")]
@@ -450,7 +528,20 @@ def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, b
         and all(e["steps_lost"] == 0 for e in planned),
         # the issue asks for 20/20: true only when at least 20 runs were made
         "joins_and_restarts_succeed_20_of_20": len(runs) >= 20 and all_ok,
+        "plain_warm_worker_kill_le_1.0s": _plain_goal(results),
     }
+
+
+def _plain_goal(results: list[dict[str, Any]]) -> bool | None:
+    """The median kill -9 -> next step of the plain script restarted warm is <= 1.0 s."""
+    vals = [
+        e["recover_s"]
+        for r in results
+        if r["backend"] == "plain-warm"
+        for e in r["events"]
+        if e.get("recover_s") is not None
+    ]
+    return statistics.median(vals) <= 1.0 if vals else None
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -462,7 +553,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="also run c10d with torch's default timeouts (~50 s per event)",
     )
     p.add_argument(
-        "--backends", default="ours,c10d-tuned", help="comma list of ours, c10d-tuned, c10d-default"
+        "--backends",
+        default="ours,c10d-tuned",
+        help="comma list of ours, user-inplace, user-restart, c10d-tuned, c10d-default, "
+        "plain-warm, plain-cold",
     )
     p.add_argument(
         "--no-host-kill",

@@ -9,6 +9,7 @@ node). Asking Linux to kill the server when the agent dies breaks that loop; eac
 in turn dies with the server.
 """
 
+import multiprocessing
 import os
 
 from elastic import env
@@ -18,3 +19,6 @@ die_with_parent()
 # Forked workers inherit this: they check that the server is still their parent when
 # they ask to die with it (it may have died between their fork and that request).
 os.environ[env.FORK_SERVER_PID] = str(os.getpid())
+# The server's own process object is multiprocessing's main process: a user's script forked
+# from here gets a fresh one (elastic.agent.warm), as if it had started on its own.
+MAIN_PROCESS = type(multiprocessing.current_process())

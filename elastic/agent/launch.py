@@ -219,14 +219,29 @@ def _runs_our_worker(args: argparse.Namespace) -> bool:
 def _warm_entrypoint(
     args: argparse.Namespace, config: Any, cmd: Any, cmd_args: list[str]
 ) -> tuple[Any, list[str]]:
-    """Our worker forks from a fork server that has imported torch (see elastic.agent.warm)."""
+    """Workers fork from a fork server that has imported torch (see elastic.agent.warm):
+    our worker, and a user's Python script where that is safe (else cold, logged once)."""
     from elastic.agent import warm
 
-    if not (_runs_our_worker(args) and warm.enabled()) or args.no_python:
+    if _runs_our_worker(args):
+        if not warm.enabled() or args.no_python:
+            return cmd, cmd_args
+        config.start_method = warm.START_METHOD
+        warm.start_server()
+        return warm.run_worker, list(args.training_script_args)
+    reason = warm.cold_reason(
+        args.training_script, bool(args.module), bool(args.no_python), bool(args.run_path)
+    )
+    if reason is not None or not isinstance(cmd, str):
+        warm.note_cold(reason or "the entrypoint is not a command.")
         return cmd, cmd_args
     config.start_method = warm.START_METHOD
+    # Started now, not early: torchrun's own changes to the environment (OMP_NUM_THREADS)
+    # are made, so the server imports torch under the environment a fresh worker has.
     warm.start_server()
-    return warm.run_worker, list(args.training_script_args)
+    logger.info("Workers of %s start warm (forked from the fork server).", args.training_script)
+    script = warm.PlainScript(args.training_script, bool(args.module), cmd)
+    return script, list(args.training_script_args)
 
 
 def _preflight_worker_config(args: argparse.Namespace) -> None:

@@ -17,6 +17,9 @@ Small hooks into torch's agent:
   workers are stuck in a collective with it, out of reach of a stop request:
   they get :data:`LOST_PEER_GRACE_S` to exit, then are killed, instead of
   waiting for the collective timeout.
+* **Warm starts of a user's script** (:class:`elastic.agent.warm.PlainScript`): before
+  each start the agent checks that forking is still safe, else starts that round's
+  workers with torchrun's command (:func:`elastic.agent.warm.server_cold_reason`).
 * **The commit fence in the worker environment,** since warm workers fork from a
   server that took the agent's environment before the rendezvous set it.
 * **Node-local files** (:mod:`elastic.nodelocal`): snapshots, channels and the re-form marker
@@ -59,6 +62,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic import env, events, metrics, nodelocal, reform
+from elastic.agent import warm
 from elastic.inplace import channel
 from elastic.inplace.channel import Assignment
 from elastic.procs import alive
@@ -141,7 +145,19 @@ class NodeAgent(LocalElasticAgent):
             for w in worker_group.workers:
                 channel.remove(channel.prefix_for(os.getpid(), w.local_rank))
             self._assign(worker_group)
-        return super()._start_workers(worker_group)
+        spec = worker_group.spec
+        script = spec.entrypoint
+        reason = warm.server_cold_reason() if isinstance(script, warm.PlainScript) else None
+        if not isinstance(script, warm.PlainScript) or reason is None:
+            return super()._start_workers(worker_group)
+        # A warm start of this script is not safe now: torchrun's command, this once.
+        warm.note_cold(reason)
+        args = spec.args
+        spec.entrypoint, spec.args = script.executable, (*script.cold_args, *args)
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            spec.entrypoint, spec.args = script, args
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """Re-form in place when the workers can (see :mod:`elastic.inplace`), else torch's

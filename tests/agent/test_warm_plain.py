@@ -1,0 +1,141 @@
+"""Warm starts of a plain torchrun-style script (no elastic.Run): real agents, real etcd.
+
+Two single-node jobs run side by side with the same script (tests/scripts/plain_ddp.py,
+2 local ranks): one warm, one that must start cold (its agent runs with ``-X
+faulthandler``, an interpreter option a fresh worker would not have). The cold one is the
+reference: a warm worker sees what it sees (environment, argv, cwd, sys.path[0],
+__file__), and each gets the same kill -9, SIGTERM and exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic.etcd.server import EtcdServer
+from elastic.harness.cluster import AgentOptions, LocalCluster
+from elastic.procs import kill
+from tests.helpers import REPO, node_env, wait_until
+
+SCRIPT = "tests/scripts/plain_ddp.py"  # relative, as a user types it
+# What differs between two runs by nature: ports, run ids, the agent's pid and files.
+PER_RUN = {
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "ELASTIC_CHANNEL",
+    "ELASTIC_SNAPSHOT_OWNER",
+    "ELASTIC_FENCE",
+    "ELASTIC_EVENT_LOG",
+    "TORCHELASTIC_RESTART_COUNT",  # compared per generation below
+    # set in the agent's own environment by torch as it logs a forked worker's failure
+    # (a cold start from that agent would inherit it too): the agents differ, not the starts
+    "TORCHINDUCTOR_CACHE_DIR",
+}
+COLD_LINE = "Starting the workers cold (fresh processes): the agent runs with interpreter options"
+
+
+class Job:
+    def __init__(self, tmp: Path, endpoint: str, name: str, command: tuple[str, ...]) -> None:
+        self.out = tmp / name / "out"
+        self.out.mkdir(parents=True)
+        self.stop = tmp / name / "stop"
+        options = AgentOptions(nnodes="1", nproc=2, max_restarts=2, command=command)
+        self.cluster = LocalCluster(
+            tmp / name,
+            endpoint=endpoint,
+            options=options,
+            env=node_env(LOGLEVEL="INFO"),
+            cwd=REPO,
+            script=[SCRIPT, str(self.out), "--stop-file", str(self.stop), "--exit-code", "3"],
+        )
+        self.node = self.cluster.start("n1")
+
+    def starts(self, restart: int) -> list[dict[str, Any]]:
+        found = [json.loads(p.read_text()) for p in self.out.glob("start-*.json")]
+        return sorted((s for s in found if s["restart"] == restart), key=lambda s: s["env"]["RANK"])
+
+    def wait_generation(self, restart: int) -> list[dict[str, Any]]:
+        def both() -> list[dict[str, Any]]:
+            gen = self.starts(restart)
+            return gen if len(gen) == 2 else []
+
+        return wait_until(both, 240, f"both workers of restart {restart} ({self.node.log})")
+
+
+@pytest.fixture
+def jobs(tmp_path: Path, etcd: EtcdServer) -> Iterator[tuple[Job, Job]]:
+    python = sys.executable
+    warm = Job(tmp_path, etcd.endpoint, "warm", (python, "-m", "elastic.agent.launch"))
+    cold = Job(
+        tmp_path,
+        etcd.endpoint,
+        "cold",
+        (python, "-X", "faulthandler", "-m", "elastic.agent.launch"),
+    )
+    yield warm, cold
+    for job in (warm, cold):
+        job.cluster.close()
+
+
+def assert_warm(job: Job, gen: list[dict[str, Any]]) -> None:
+    from elastic.procs import children
+
+    server = gen[0]["ppid"]
+    assert server != job.node.pid, "the worker's parent is the agent: a cold start"
+    assert all(s["ppid"] == server for s in gen)
+    assert server in children(job.node.pid), "the worker's parent is not the agent's fork server"
+    assert all("torch" in s["preloaded"] for s in gen), "torch was not imported before line 1"
+
+
+def assert_same_as_cold(warm: dict[str, Any], cold: dict[str, Any]) -> None:
+    warm_env = {k: v for k, v in warm["env"].items() if k not in PER_RUN}
+    cold_env = {k: v for k, v in cold["env"].items() if k not in PER_RUN}
+    assert warm_env == cold_env
+    for key in ("cwd", "path0", "file", "sigterm_default", "sid_is_pid"):
+        assert warm[key] == cold[key], key
+    assert warm["argv"][0] == cold["argv"][0] == SCRIPT
+    assert warm["argv"][2:] != [] and warm["argv"][2] == cold["argv"][2] == "--stop-file"
+
+
+@pytest.mark.slow
+def test_plain_script_starts_warm_and_behaves_as_a_fresh_process(jobs: tuple[Job, Job]) -> None:
+    warm, cold = jobs
+    # first start
+    w0, c0 = warm.wait_generation(0), cold.wait_generation(0)
+    assert_warm(warm, w0)
+    assert all(s["ppid"] == cold.node.pid and s["preloaded"] == [] for s in c0), "not cold"
+    for w, c in zip(w0, c0, strict=True):
+        assert_same_as_cold(w, c)
+    # kill -9 of a worker: restarted, warm again
+    for gen in (w0, c0):
+        kill(gen[1]["pid"], signal.SIGKILL)
+    w1, c1 = warm.wait_generation(1), cold.wait_generation(1)
+    assert_warm(warm, w1)
+    assert {s["pid"] for s in w1}.isdisjoint(s["pid"] for s in w0)
+    for w, c in zip(w1, c1, strict=True):
+        assert_same_as_cold(w, c)
+    # SIGTERM to a worker kills it (default disposition), as for a fresh process
+    for gen in (w1, c1):
+        kill(gen[0]["pid"], signal.SIGTERM)
+    w2 = warm.wait_generation(2)
+    cold.wait_generation(2)
+    assert_warm(warm, w2)
+    for job in (warm, cold):
+        assert "failed (exitcode: -15)" in job.node.output(), job.node.log
+    # the script's exit code reaches the agent (no restarts left: the agent fails)
+    for job in (warm, cold):
+        job.stop.touch()
+    codes = [job.node.wait(120) for job in (warm, cold)]
+    assert codes[0] == codes[1] != 0
+    for job in (warm, cold):
+        assert "failed (exitcode: 3)" in job.node.output(), job.node.log
+    assert cold.node.output().count(COLD_LINE) == 1
+    assert COLD_LINE not in warm.node.output()
+    assert "Starting the workers cold" not in warm.node.output()
