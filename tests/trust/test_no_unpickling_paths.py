@@ -242,3 +242,75 @@ def test_a_planted_call_in_a_module_fails_the_package_check(tmp_path: Path) -> N
     found = scan(planted, "elastic/checkpoint/storage.py")
     rogue = [f for f in found if f.site not in ALLOWED]
     assert [(f.scope, f.what) for f in rogue] == [("_sneaky", "pickle.loads")]
+
+
+# -- what replaced the checkpoint manager's pickling collectives -----------------------------
+
+WORKER = r"""
+import json, sys
+import torch.distributed as dist
+from elastic.checkpoint import manager
+from elastic.errors import CheckpointError
+
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+mine = {"ok": True, "error": "", "files": {f"__{rank}_0.distcp": {"size": 3, "crc32": "0a"}}}
+step = {"step": 4, "url": "file:///c/4", "step_dir": "file:///c/4", "metadata": None}
+out = {
+    "gather": manager.all_gather_json(mine, manager._result),
+    "broadcast": manager.broadcast_json(step if rank == 0 else None, manager._choice),
+}
+encode = manager._encode
+planted = {
+    "pickle": b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00K\x01.",  # pickle.dumps(1)
+    "shape": json.dumps({"ok": "yes", "error": 1, "files": []}).encode(),
+    "oversized": b" " * 2048,
+}
+manager.MAX_WIRE = 1024
+for name, data in planted.items():
+    if rank == 1:
+        manager._encode = lambda value, data=data: data
+    try:
+        manager.all_gather_json(mine, manager._result)
+        out[name] = "accepted"
+    except CheckpointError as exc:
+        out[name] = str(exc)
+    manager._encode = encode
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_checkpoint_messages_are_checked_json_on_every_rank(tmp_path: Path) -> None:
+    """Two real gloo ranks: what they exchange round-trips, and a pickle, a wrong shape or
+    an oversized length sent by one rank is refused on both, in one sentence each."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    environ = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    store = tmp_path / "store"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(rank), str(store)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+        )
+        for rank in (0, 1)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.splitlines()[-1]))
+    for rank, got in enumerate(results):
+        assert [r["files"] for r in got["gather"]] == [
+            {f"__{r}_0.distcp": {"size": 3, "crc32": "0a"}} for r in (0, 1)
+        ]
+        assert got["broadcast"]["step"] == 4, rank
+        assert "Rank 1 sent a checkpoint message that is no JSON" in got["pickle"]
+        assert "from rank 1 is not a save result" in got["shape"]
+        assert "Rank 1 announced a checkpoint message of 2048 bytes" in got["oversized"]
