@@ -139,3 +139,67 @@ def test_plain_script_starts_warm_and_behaves_as_a_fresh_process(jobs: tuple[Job
     assert cold.node.output().count(COLD_LINE) == 1
     assert COLD_LINE not in warm.node.output()
     assert "Starting the workers cold" not in warm.node.output()
+
+
+# -- the rules and the exit, without an agent ----------------------------------------------
+
+
+def test_cold_reasons_name_what_is_unsafe(tmp_path: Path) -> None:
+    from elastic.agent import warm
+
+    steers = tmp_path / "steers.py"
+    steers.write_text("import os\nos.environ['OMP_NUM_THREADS'] = '4'\nimport torch\n")
+    fine = tmp_path / "fine.py"
+    fine.write_text("import os\nimport torch\nos.environ['X'] = '1'\n")
+    assert warm.cold_reason(str(fine), False, False, False) is None
+    reason = warm.cold_reason(str(steers), False, False, False)
+    assert reason is not None and "before it imports torch" in reason
+    reason = warm.cold_reason(str(tmp_path), False, False, False)
+    assert reason is not None and "not a Python source file" in reason
+    reason = warm.cold_reason("no_such_module_here", True, False, False)
+    assert reason is not None and "no_such_module_here" in reason
+    reason = warm.cold_reason(str(fine), False, True, False)
+    assert reason is not None and "--no-python" in reason
+
+
+EXIT = """
+import os, signal, sys
+from elastic.agent import warm
+warm._fresh_signals()
+{body}
+"""
+
+
+def _exit_of(body: str) -> Any:
+    import subprocess
+
+    argv = [sys.executable, "-c", EXIT.format(body=body)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+def test_a_forked_script_ends_as_a_fresh_interpreter() -> None:
+    # a handled SIGTERM, then exit 0: dies by SIGTERM (the agent that sent it must not wait)
+    handled = _exit_of(
+        "signal.signal(signal.SIGTERM, lambda s, f: None)\n"
+        "assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "warm._finish(*warm._run_main(lambda: None))\n"
+        "print('returned')"
+    )
+    assert handled.returncode == -signal.SIGTERM and "returned" not in handled.stdout
+    # exit 0 without a signal: returns to torch's wrapper, SIGTERM back to its default
+    clean = _exit_of(
+        "warm._finish(*warm._run_main(lambda: None))\n"
+        "print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"
+    )
+    assert clean.returncode == 0 and clean.stdout.strip() == "True"
+    interrupted = _exit_of(
+        "def f():\n    raise KeyboardInterrupt\nwarm._finish(*warm._run_main(f))"
+    )
+    assert interrupted.returncode == -signal.SIGINT and "KeyboardInterrupt" in interrupted.stderr
+    message = _exit_of("warm._finish(*warm._run_main(lambda: sys.exit('bad config')))")
+    assert message.returncode == 1 and "bad config" in message.stderr
+    code = _exit_of("warm._finish(*warm._run_main(lambda: sys.exit(7)))")
+    assert code.returncode == 7
+    crash = _exit_of("def f():\n    raise ValueError('boom')\nwarm._finish(*warm._run_main(f))")
+    assert crash.returncode == 1 and "ValueError: boom" in crash.stderr
