@@ -30,6 +30,9 @@ kept its process), the backend asked for and the one the workers reported (user 
 restarted) and ``restarts`` (``worker.restart`` events). A scenario that does not recover
 within ``--event-timeout`` reports ``recovered: false`` and the reason.
 
+On CUDA the result also holds ``torch_nccl``: whether this torch registers the ``nccl2``
+backend (ProcessGroupNCCL2) and whether it supports ``_reconfigure`` and shrinking.
+
 Usage: ``bash bench/gpu_check.sh [--checks inplace] [--ranks 3] [--only user:node_kill]
 [--repeats K] [--json-out PATH]``; ``--dry-run`` prints the plan (what would run, on which
 devices) and exits 0 anywhere; ``--cpu`` runs the same checks on gloo to test the script
@@ -203,6 +206,36 @@ def plan(args: argparse.Namespace, cuda: bool, gpus: int) -> dict[str, Any]:
             }
             for workload, fault in scenarios(args)
         ]
+    return out
+
+
+# -- what this torch offers for NCCL re-forms ----------------------------------------------
+
+
+def nccl_probe() -> dict[str, Any]:
+    """torch's NCCL fault-tolerance surface on this machine (CUDA only: constructing an NCCL
+    backend without a GPU aborts the process): is ``nccl2`` registered, does it support
+    ``_reconfigure`` and shrinking, and the watchdog's error handling mode."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {
+        "nccl2_registered": dist.is_backend_available("nccl2"),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+        "TORCH_DIST_USE_NCCL2": os.environ.get("TORCH_DIST_USE_NCCL2"),
+    }
+    try:
+        from torch._C._distributed_c10d import ProcessGroupNCCL, ProcessGroupNCCL2
+
+        options = ProcessGroupNCCL.Options()
+        options.enable_reconfigure = True
+        pg = ProcessGroupNCCL2(dist.HashStore(), 0, 1, options)
+        out.update(
+            nccl2_supports_reconfigure=pg.supports_reconfigure,
+            nccl2_supports_shrinking=pg.supports_shrinking,
+            nccl2_handle=pg.get_reconfigure_handle(),
+        )
+    except (ImportError, RuntimeError) as exc:
+        out["nccl2_error"] = str(exc).splitlines()[0][:300]
     return out
 
 
@@ -602,6 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         **plan(args, cuda, gpus),
     }
+    if cuda:
+        result["torch_nccl"] = nccl_probe()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     with contextlib.ExitStack() as stack:
         base = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
