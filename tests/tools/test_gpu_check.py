@@ -2,8 +2,9 @@
 that says in one sentence that no GPU is present and exits non-zero.
 
 The checks themselves need a CUDA machine (``bash bench/gpu_check.sh`` there); here the
-script runs as a person would start it, with CUDA hidden (``CUDA_VISIBLE_DEVICES=""``), so
-that the answer is the same on a machine that has one."""
+dry run goes through the wrapper as a person would start it, with CUDA hidden
+(``CUDA_VISIBLE_DEVICES=""``), and the real run sees no CUDA, so that the answers are the
+same on a machine that has one."""
 
 from __future__ import annotations
 
@@ -62,11 +63,14 @@ def test_dry_run_prints_the_plan_and_exits_0_without_cuda() -> None:
     assert {s["victim"] for s in plan["inplace"]} == {"n4"}
 
 
-def test_a_real_run_without_cuda_says_so_in_one_sentence_and_fails() -> None:
-    done = _run("--checks", "inplace")
-    assert done.returncode == gpu_check.NO_GPU_EXIT != 0
-    assert done.stdout == ""
-    message = done.stderr.strip()
+def test_a_real_run_without_cuda_says_so_in_one_sentence_and_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--checks", "inplace"]) == gpu_check.NO_GPU_EXIT != 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    message = err.strip()
     assert len(message.splitlines()) == 1 and message.endswith(".")
     assert "No CUDA device is present" in message
 
