@@ -19,7 +19,9 @@ Small hooks into torch's agent:
   waiting for the collective timeout.
 * **Warm starts of a user's script** (:class:`elastic.agent.warm.PlainScript`): before
   each start the agent checks that forking is still safe, else starts that round's
-  workers with torchrun's command (:func:`elastic.agent.warm.server_cold_reason`).
+  workers with torchrun's command (:func:`elastic.agent.warm.server_cold_reason`). A
+  forked worker's failure is logged without torch's traceback formatter, which would
+  import ``torch._dynamo`` (seconds) before the restart.
 * **The commit fence in the worker environment,** since warm workers fork from a
   server that took the agent's environment before the rendezvous set it.
 * **Node-local files** (:mod:`elastic.nodelocal`): snapshots, channels and the re-form marker
@@ -430,6 +432,24 @@ class _ReformIsNotAFailure(logging.Filter):
         return True
 
 
+class _FailureWithoutTorchsFormatter(logging.Filter):
+    """A forked (warm) worker's failure is logged with torch's exception attached, and torch's
+    log formatter imports ``torch._dynamo`` to format any traceback: seconds of this agent's
+    time, the first time, between a worker's death and its restart. The traceback is of
+    torch's own join (what the worker raised is in the exception's message): keep the
+    message, drop the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith("failed (exitcode") and record.exc_info:
+            exc = record.exc_info[1]
+            record.exc_info, record.exc_text = None, None
+            if exc is not None and str(exc).strip():
+                args = record.args if isinstance(record.args, tuple) else ()
+                record.msg, record.args = msg + ": %s", (*args, str(exc).strip())
+        return True
+
+
 class _RedactPasswords(logging.Filter):
     """torch's launcher logs the rendezvous options at INFO: never a password among them."""
 
@@ -448,6 +468,7 @@ def install() -> None:
     from torch.distributed.launcher import api as launcher_api
 
     launcher_api.LocalElasticAgent = NodeAgent  # type: ignore[misc]
+    mp_api.logger.addFilter(_FailureWithoutTorchsFormatter())
     mp_api.logger.addFilter(_ReformIsNotAFailure())
     launcher_api.logger.addFilter(_RedactPasswords())
 
