@@ -321,8 +321,8 @@ def _plain_starts(cluster: LocalCluster) -> list[dict[str, Any]]:
         with contextlib.suppress(OSError, ValueError):
             start = json.loads(path.read_text())
             found.append({k: start[k] for k in ("pid", "ppid", "restart", "preloaded")})
-            found[-1]["rank"] = int(start["env"]["RANK"])
-    return sorted(found, key=lambda s: (s["restart"], s["rank"]))
+            found[-1].update(rank=int(start["env"]["RANK"]), at=path.stat().st_mtime)
+    return sorted(found, key=lambda s: s["at"])
 
 
 def worker_kill(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
@@ -332,9 +332,9 @@ def worker_kill(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
     out = []
     for i in range(KILLS_PER_RUN):
         rank = 1 - i % 2  # n2 holds rank 1 (it joined second), then n1's rank 0
-        current = _plain_starts(cluster)
-        newest = max(s["restart"] for s in current)
-        victim = next(s for s in current if s["restart"] == newest and s["rank"] == rank)
+        # the newest start of that rank (an agent that re-formed for a peer's failure
+        # without a failure of its own keeps its restart count: go by time)
+        victim = [s for s in _plain_starts(cluster) if s["rank"] == rank][-1]
         writer = cluster.steps()[-1]["pid"]
         before = cluster.last_step()
         t0 = time.time()
@@ -354,7 +354,7 @@ def worker_kill(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
             return out
         entry.update(recover_s=round(first["ts"] - t0, 2), first_step=first["step"])
         entry["steps_lost"] = before  # a plain script starts over: every step is redone
-        news = [s for s in _plain_starts(cluster) if s["restart"] > newest]
+        news = [s for s in _plain_starts(cluster) if s["at"] > t0]
         entry["warm"] = bool(news) and all("torch" in s["preloaded"] for s in news)
         _annotate(cluster, entry, first)
         out.append(entry)
