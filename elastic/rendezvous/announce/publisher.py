@@ -92,7 +92,7 @@ class Publisher:
         Raises:
             EtcdConnectionError: the lease expired again before each of a few tries.
         """
-        response = self._write(self._state.trust.seal(self.key, announcement))
+        response = self._write(announcement)
         revision = response.header.revision
         older = decode_members(txn_kvs(response, 2), self._keys.members, self._state.trust)
         mine = txn_kvs(response, 3)
@@ -109,7 +109,9 @@ class Publisher:
                 state.touch(time.monotonic())
         return recreated
 
-    def _write(self, value: bytes) -> Any:
+    def _write(self, announcement: Announcement) -> Any:
+        """Put the announcement on this node's lease (signed for that lease), in a fresh
+        lease when there is none or it expired."""
         state = self._state
         for _ in range(_ANNOUNCE_TRIES):
             if not self._lease.id or state.expired:
@@ -117,6 +119,7 @@ class Publisher:
                 state.create_rev = 0
                 with state.cond:
                     state.expired = False
+            value = state.trust.seal(self.key, announcement, lease=self._lease.id)
             ops = [
                 op_put(self.key, value, self._lease.id),
                 op_get(self._keys.round),
@@ -145,7 +148,8 @@ class Publisher:
             compare_mod(key, state.round_rev) if state.round_rev else compare_absent(key),
             compare_created(self.key, state.create_rev),
         ]
-        puts = [op_put(key, state.trust.seal(key, round_), self._run_lease.id())]
+        seen = max(state.round_rev, state.round_seen)  # signed: older rounds are replays
+        puts = [op_put(key, state.trust.seal(key, round_, rev=seen), self._run_lease.id())]
         if high is not None:
             value = _round_bytes(high)
             compares.append(
@@ -179,18 +183,19 @@ class Publisher:
     def close_run(self) -> None:
         """Mark the rendezvous closed: every node's next rendezvous then ends."""
         key, trust = self._keys.round, self._state.trust
-        kvs = [key_value(kv) for kv in self._client.range(key).kvs]
+        read = self._client.range(key)
+        kvs, seen = [key_value(kv) for kv in read.kvs], int(read.header.revision)
         while True:
             round_ = decode_round(kvs[0].value, trust) if kvs else NO_ROUND
             if round_.closed:
                 return
             compare = compare_mod(key, kvs[0].mod_revision) if kvs else compare_absent(key)
-            closed = trust.seal(key, replace(round_, closed=True))
+            closed = trust.seal(key, replace(round_, closed=True), rev=seen)
             put = op_put(key, closed, self._run_lease.id())
             response = self._client.txn([compare], [put], [op_get(key)])
             if response.succeeded:
                 return
-            kvs = txn_kvs(response, 0)
+            kvs, seen = txn_kvs(response, 0), int(response.header.revision)
 
 
 __all__ = ["Publisher", "older_members"]

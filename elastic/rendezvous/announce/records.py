@@ -16,6 +16,15 @@ no round. Without a secret, records are written unsigned and every readable one 
 as before: then whoever can write etcd can join a round or forge one (protect etcd with TLS
 and auth).
 
+Replay: the key a signature covers names the run and the node (or the round key), so a
+record written back under another key is not trusted. A member's signature also covers the
+etcd lease it is written on (one per agent start, re-granted after an expiry): once its
+agent is gone, its lease is gone, and its record written back on any other lease (or none)
+gets no rank. A round's signature covers ``rev``, the newest revision of the round key its
+closer had seen when it wrote it; a node that holds a round read at a newer revision than
+that refuses the record as replayed (:func:`decode_round` with ``held``), reading it as no
+round: a node never goes back to an older round, nor to an older version of its round.
+
 A record that is not what we write is reported in one sentence naming the key
 (:class:`~elastic.errors.EtcdStateError` from :func:`parse_round` and :func:`parse_member`);
 the lenient :func:`decode_round` and :func:`decode_member` log that sentence and read an
@@ -40,9 +49,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MEMBER_DOMAIN = b"elastic-announce-member-v1\0"
-ROUND_DOMAIN = b"elastic-announce-round-v1\0"
+MEMBER_DOMAIN = b"elastic-announce-member-v2\0"  # v2: the lease is signed too
+ROUND_DOMAIN = b"elastic-announce-round-v2\0"  # v2: ``rev`` is signed too
 _SIG = "sig"  # the field that holds a record's signature
+_REV = "rev"  # a signed round's field: the round key's newest revision its writer had seen
 
 
 @dataclass(frozen=True)
@@ -143,16 +153,24 @@ class Trust:
         self._warned: set[tuple[bytes, int]] = set()  # untrusted member keys, incarnations
         self._lock = threading.Lock()
 
-    def seal(self, key: bytes, record: Announcement | Round) -> bytes:
-        """``record`` as written into ``key``, signed if there is a secret."""
+    def seal(
+        self, key: bytes, record: Announcement | Round, *, lease: int = 0, rev: int = 0
+    ) -> bytes:
+        """``record`` as written into ``key``, signed if there is a secret: an announcement
+        for the etcd ``lease`` it is written on, a round with ``rev`` (the newest revision
+        of the round key its writer has seen)."""
         doc = record.document()
         if self.secret is not None:
-            domain = ROUND_DOMAIN if isinstance(record, Round) else MEMBER_DOMAIN
-            doc[_SIG] = sign(self.secret, _content(key, doc), domain)
+            if isinstance(record, Round):
+                doc[_REV] = rev
+                doc[_SIG] = sign(self.secret, _content(key, doc), ROUND_DOMAIN)
+            else:
+                doc[_SIG] = sign(self.secret, _content(key, doc, lease), MEMBER_DOMAIN)
         return json.dumps(doc).encode()
 
-    def signed(self, key: bytes, value: bytes, domain: bytes) -> bool:
-        """Whether ``value`` (a JSON object) carries this job's signature for ``key``."""
+    def signed(self, key: bytes, value: bytes, domain: bytes, lease: int | None = None) -> bool:
+        """Whether ``value`` (a JSON object) carries this job's signature for ``key`` (and,
+        for a member, for the ``lease`` it is on)."""
         if self.secret is None:
             return True
         try:
@@ -162,14 +180,27 @@ class Trust:
         if not isinstance(doc, dict):
             return False
         signature = doc.pop(_SIG, None)
-        return verify(self.secret, _content(key, doc), signature, domain)
+        return verify(self.secret, _content(key, doc, lease), signature, domain)
 
     def admits_round(self, value: bytes) -> bool:
         return self.signed(self._round_key, value, ROUND_DOMAIN)
 
+    def replayed_round(self, value: bytes, mod_revision: int, held: int) -> bool:
+        """Whether a (signed) round read at ``mod_revision`` is older than the round this
+        node holds, read at ``held``: its writer had not seen that one (a record written
+        back). Without a secret nothing is signed, so nothing counts as replayed."""
+        if self.secret is None or not held or mod_revision == held:
+            return False
+        try:
+            rev = json.loads(value).get(_REV)
+        except (ValueError, AttributeError):
+            return True
+        return type(rev) is not int or rev < held
+
     def admits_member(self, kv: KeyValue, member: Member) -> bool:
-        """Whether a member key is signed by the job; warns once per key incarnation."""
-        if self.signed(kv.key, kv.value, MEMBER_DOMAIN):
+        """Whether a member key is signed by the job for the lease it is on; warns once per
+        key incarnation."""
+        if self.signed(kv.key, kv.value, MEMBER_DOMAIN, kv.lease):
             return True
         with self._lock:
             first = (kv.key, kv.create_revision) not in self._warned
@@ -177,8 +208,9 @@ class Trust:
         if first:
             logger.warning(
                 "The member key '%s' (address %s) is not signed by this job's secret; it gets "
-                "no rank. Every node of the job must share $ELASTIC_SECRET_FILE; delete the key "
-                "if nobody of this job wrote it.",
+                "no rank (a forged key, or an old record written back on another lease). Every "
+                "node of the job must share $ELASTIC_SECRET_FILE; delete the key if nobody of "
+                "this job wrote it.",
                 kv.key.decode(errors="replace"),
                 member.addr,
             )
@@ -186,9 +218,10 @@ class Trust:
         return False
 
 
-def _content(key: bytes, doc: Mapping[str, Any]) -> bytes:
-    """What a signature covers: the key and every field, canonically."""
-    return key + b"\0" + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+def _content(key: bytes, doc: Mapping[str, Any], lease: int | None = None) -> bytes:
+    """What a signature covers: the key, a member's lease, and every field, canonically."""
+    bound = key if lease is None else key + b"\0lease=" + str(lease).encode()
+    return bound + b"\0" + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
 def parse_round(value: bytes) -> Round:
@@ -214,18 +247,31 @@ def parse_round(value: bytes) -> Round:
     )
 
 
-def decode_round(value: bytes, trust: Trust | None = None) -> Round:
-    """:func:`parse_round`, but an unreadable round, or one that ``trust`` does not admit
-    (not signed by the job), is no round yet (with a warning)."""
+def decode_round(
+    value: bytes, trust: Trust | None = None, mod_revision: int = 0, held: int = 0
+) -> Round:
+    """:func:`parse_round`, but an unreadable round, one that ``trust`` does not admit
+    (not signed by the job), or, read at ``mod_revision`` by a node that holds a round read
+    at ``held``, one older than that (replayed), is no round yet (with a warning)."""
     try:
         round_ = parse_round(value)
     except EtcdStateError as exc:
         logger.warning("%s Treating it as no round yet.", exc)
         return NO_ROUND
-    if value and trust is not None and not trust.admits_round(value):
+    if not value or trust is None:
+        return round_
+    if not trust.admits_round(value):
         logger.warning(
             "The round key is not signed by this job's secret (written by someone outside "
             "the job, or a node with another $ELASTIC_SECRET_FILE); refusing it as no round."
+        )
+        return NO_ROUND
+    if trust.replayed_round(value, mod_revision, held):
+        logger.warning(
+            "The round key holds round %d signed before the round this node holds (revision "
+            "%d): an old record written back (replayed); refusing it as no round.",
+            round_.round,
+            held,
         )
         return NO_ROUND
     return round_

@@ -71,7 +71,10 @@ class NodeState:
     def set_round_kv(self, kvs: list[KeyValue], seen: int = 0) -> None:
         """:meth:`set_round` of a read of the round key (no key: no round)."""
         if kvs:
-            self.set_round(decode_round(kvs[0].value, self.trust), kvs[0].mod_revision, seen)
+            kv = kvs[0]  # a newer write of an older round than the one held: replayed
+            held = self.round_rev if kv.mod_revision > self.round_rev else 0  # else: a late read
+            round_ = decode_round(kv.value, self.trust, kv.mod_revision, held)
+            self.set_round(round_, kv.mod_revision, seen)
         else:
             self.set_round(NO_ROUND, 0, seen)
 
