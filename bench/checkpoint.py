@@ -11,7 +11,9 @@ so that a change in the machine's load hits them all alike:
 * ``ours``: our :class:`CheckpointManager` in a worker process, one async save per
   round: ``blocking_ms`` (the caller is blocked), ``durable_ms`` (from the save call
   until the commit marker is durable), ``wait_ms`` (until the save is done, old
-  steps purged), ``persist_mb_s`` (state bytes / (durable - blocking));
+  steps purged), ``persist_mb_s`` (state bytes / (durable - blocking)), ``cpu_ms``
+  (the worker's CPU time, all threads, from the save call until it is done: what a save
+  costs where the CPUs are busy anyway, less sensitive to the machine's load);
 * ``baseline`` (with ``--baseline REV``): the same for the ``elastic`` package of git
   revision ``REV``, in a second worker process whose saves alternate with ours;
 * ``--signed``: both managers sign their markers with a (fixed) job secret, so files are
@@ -177,10 +179,10 @@ def _worker_main(model: str, url: Path, out: IO[str], signed: bool) -> None:
     }
     print(json.dumps(package), file=out, flush=True)
     for step, _ in enumerate(sys.stdin, start=1):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         manager.save(step, state)
         outcome = manager.wait()
-        waited = time.perf_counter() - started
+        waited, cpu = time.perf_counter() - started, time.process_time() - cpu
         assert outcome is not None and outcome.ok, outcome
         print(
             json.dumps(
@@ -188,6 +190,7 @@ def _worker_main(model: str, url: Path, out: IO[str], signed: bool) -> None:
                     "blocking_s": outcome.blocking_s,
                     "durable_s": outcome.durable_s,
                     "wait_s": waited,
+                    "cpu_s": cpu,
                 }
             ),
             file=out,
@@ -205,6 +208,7 @@ def _summary(saves: list[dict[str, Any]], nbytes: int, package: dict[str, Any]) 
         "blocking_ms": _median(blocking, 2),
         "durable_ms": _median(durable),
         "wait_ms": _median([s["wait_s"] * 1e3 for s in saves]),
+        "cpu_ms": _median([s.get("cpu_s", 0.0) * 1e3 for s in saves]),
         "persist_mb_s": _median(persist),
         "durable_ms_all": [round(d, 1) for d in durable],
         **package,
