@@ -1,4 +1,4 @@
-"""Warm worker starts: fork our CNN worker from a server that has already imported torch.
+"""Warm worker starts: fork workers from a server that has already imported torch.
 
 A fresh worker process spends seconds starting Python and importing torch and
 torchvision, most of the time from a crash to the next training step (the figures:
@@ -46,13 +46,16 @@ found; the script touches ``os.environ``/``putenv`` before its first import of t
 means to steer torch's import, which the server already made); the script imports
 ``elastic`` (on ``elastic.Run``: its in-place hand-over is not yet verified with forked
 workers; a test of it failed, so these stay cold for now); at each start, the agent's
-environment differs from the one the server started with (``TORCHELASTIC_*`` and the inductor cache
-dir aside: torch's agent sets them, torch reads them at run time); the server has more than one
-thread, or has loaded the CUDA driver or opened a GPU device (a CUDA context must never be
-forked; the server only imports, so this is a check, not expected).
+environment differs from the one the server started with (``TORCHELASTIC_*`` and the
+inductor cache dir aside: torch's agent sets them, torch reads them at run time); the
+server has more than one thread, or has loaded the CUDA driver or opened a GPU device (a
+CUDA context must never be forked; the server only imports, so this is a check, not
+expected). For a plain script the server starts once torchrun's options are parsed (they
+set OMP_NUM_THREADS), so the first start waits for its imports; restarts are forks.
 
-Known differences that remain: stdin is /dev/null (a fresh worker shares the agent's);
-the worker dies with the agent (``kill -9`` of the agent leaves none behind);
+Known differences that remain: ``os.getppid()`` is the fork server, not the agent (the
+agent's pid is ``$ELASTIC_SNAPSHOT_OWNER``); stdin is /dev/null (a fresh worker shares the
+agent's); the worker dies with the agent (``kill -9`` of the agent leaves none behind);
 ``signal.signal`` is wrapped to notice a handled SIGTERM/SIGINT (``getsignal`` returns
 the script's own handler); modules the server imported (torch, torchvision, ours) are
 already in ``sys.modules`` when the script's first line runs.
