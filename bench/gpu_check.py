@@ -14,7 +14,9 @@ train and one whole node gets ``kill -9`` (``node_kill``).
 
 ``inplace``: the in-place re-form scenarios. ``--ranks`` agents (2 to 4, one worker each)
 run on this machine, agent *i* on GPU ``i % gpus`` (``CUDA_VISIBLE_DEVICES``; one GPU is
-shared by all), on one embedded etcd. Each of two workloads:
+shared by all), on one embedded etcd, on NCCL when there is a GPU per rank (NCCL refuses
+two ranks of a communicator on one GPU: with fewer GPUs they run on gloo, see
+:data:`SHARED_GPU`, unless ``--inplace-backend`` says otherwise). Each of two workloads:
 
 * ``user``: a user's script on :class:`elastic.Run` (this file with ``--worker``: a small
   CNN under DDP on ``cuda``, ``elastic.init_process_group(backend)``);
@@ -168,6 +170,22 @@ def backend_for(cuda: bool) -> str:
     return "nccl" if cuda else "gloo"
 
 
+SHARED_GPU = (
+    "NCCL refuses two ranks of one communicator on one GPU (ncclInvalidUsage: Duplicate GPU "
+    "detected), so with fewer GPUs than --ranks the in-place scenarios run on gloo (CUDA "
+    "tensors for the user script); pass --inplace-backend nccl to see NCCL's own answer"
+)
+
+
+def inplace_backend(args: argparse.Namespace, cuda: bool, gpus: int) -> tuple[str, str | None]:
+    """The in-place scenarios' backend and, when it is not the one asked for, why."""
+    if args.inplace_backend:
+        return args.inplace_backend, None
+    if cuda and gpus < args.ranks:
+        return "gloo", SHARED_GPU
+    return backend_for(cuda), None
+
+
 def devices_for(ranks: int, gpus: int) -> list[str | None]:
     """Each agent's ``CUDA_VISIBLE_DEVICES``: GPU ``i % gpus``; None without GPUs."""
     return [str(i % gpus) if gpus else None for i in range(ranks)]
@@ -182,7 +200,7 @@ def scenarios(args: argparse.Namespace) -> list[tuple[str, str]]:
 def plan(args: argparse.Namespace, cuda: bool, gpus: int) -> dict[str, Any]:
     """What a run with ``args`` does on a machine with ``gpus`` CUDA devices."""
     backend = backend_for(cuda)
-    inplace_backend = args.inplace_backend or backend
+    chosen, why = inplace_backend(args, cuda, gpus)
     out: dict[str, Any] = {
         "cuda": cuda,
         "gpus": gpus,
@@ -193,12 +211,14 @@ def plan(args: argparse.Namespace, cuda: bool, gpus: int) -> dict[str, Any]:
         out["restart"] = ["worker_kill", *(["node_kill"] if gpus >= 2 or not cuda else [])]
     if "inplace" in args.checks:
         devices = devices_for(args.ranks, gpus if cuda else 0)
+        if why:
+            out["inplace_backend_why"] = why
         out["inplace"] = [
             {
                 "workload": workload,
                 "fault": fault,
                 "ranks": args.ranks,
-                "backend": inplace_backend,
+                "backend": chosen,
                 "group_timeout_s": args.group_timeout,
                 "devices": devices,
                 "victim": f"n{args.ranks}",
@@ -513,7 +533,7 @@ def _finish(
 
 
 def inplace_all(base: Path, args: argparse.Namespace, cuda: bool, gpus: int) -> dict[str, Any]:
-    backend = args.inplace_backend or backend_for(cuda)
+    backend = inplace_backend(args, cuda, gpus)[0]
     devices = devices_for(args.ranks, gpus)
     runs: list[dict[str, Any]] = []
     for k in range(args.repeats):
@@ -639,7 +659,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["torch_nccl"] = nccl_probe()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     with contextlib.ExitStack() as stack:
-        base = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        base = args.work_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-check-"))
+        )
         base.mkdir(parents=True, exist_ok=True)
         if "snapshot" in args.checks:
             result["snapshot"] = snapshot_stall(device, args.rounds, args.steps)

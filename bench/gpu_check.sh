@@ -6,7 +6,9 @@
 # frozen worker). Prints JSON. Extra arguments go to gpu_check.py, e.g.
 #   --dry-run                  the plan as JSON, exit 0 (anywhere, no GPU needed)
 #   --checks inplace --ranks 3 --only user:node_kill --repeats 3
-#   --inplace-backend gloo     the same scenarios on gloo (CUDA tensors, user script)
+#   --inplace-backend gloo     the same scenarios on gloo (CUDA tensors, user script);
+#                              the default with fewer GPUs than --ranks: NCCL refuses two
+#                              ranks of one communicator on one GPU (Duplicate GPU detected)
 #   --cpu                      everything on gloo/CPU, to test the script
 #   --json-out bench/results-gpu.json
 # Without CUDA (and without --cpu or --dry-run) it says so in one sentence and exits 3.

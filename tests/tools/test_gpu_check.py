@@ -77,21 +77,24 @@ def test_a_real_run_without_cuda_says_so_in_one_sentence_and_fails(
 
 def test_the_default_plan_is_every_workload_against_every_fault() -> None:
     args = gpu_check.parse([])
-    plan = gpu_check.plan(args, cuda=True, gpus=2)
+    plan = gpu_check.plan(args, cuda=True, gpus=4)
     assert plan["backend"] == "nccl" and plan["checks"] == list(gpu_check.CHECKS)
     pairs = [(s["workload"], s["fault"]) for s in plan["inplace"]]
     assert pairs == [(w, f) for w in gpu_check.WORKLOADS for f in gpu_check.FAULTS]
-    # three agents on two GPUs: GPU i % 2, the third shares GPU 0
-    assert plan["inplace"][0]["devices"] == ["0", "1", "0"]
-    assert plan["restart"] == ["worker_kill", "node_kill"]
+    assert {s["backend"] for s in plan["inplace"]} == {"nccl"}  # a GPU per rank
+    assert plan["inplace"][0]["devices"] == ["0", "1", "2"]
+    assert plan["restart"] == ["worker_kill", "node_kill"] and "inplace_backend_why" not in plan
+    # three agents on two GPUs: GPU i % 2, the third shares GPU 0, so not on NCCL
+    shared = gpu_check.plan(args, cuda=True, gpus=2)
+    assert shared["inplace"][0]["devices"] == ["0", "1", "0"]
+    assert {s["backend"] for s in shared["inplace"]} == {"gloo"}
+    assert "Duplicate GPU" in shared["inplace_backend_why"]
     one_gpu = gpu_check.plan(gpu_check.parse(["--checks", "restart,inplace"]), True, 1)
-    assert one_gpu["restart"] == ["worker_kill"] and one_gpu["inplace"][0]["devices"] == [
-        "0",
-        "0",
-        "0",
-    ]
-    gloo = gpu_check.plan(gpu_check.parse(["--inplace-backend", "gloo"]), True, 1)
-    assert {s["backend"] for s in gloo["inplace"]} == {"gloo"} and gloo["backend"] == "nccl"
+    assert one_gpu["restart"] == ["worker_kill"]
+    assert one_gpu["inplace"][0]["devices"] == ["0", "0", "0"]
+    forced = gpu_check.plan(gpu_check.parse(["--inplace-backend", "nccl"]), True, 1)
+    assert {s["backend"] for s in forced["inplace"]} == {"nccl"}
+    assert "inplace_backend_why" not in forced
 
 
 @pytest.mark.parametrize(
