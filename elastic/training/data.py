@@ -63,6 +63,21 @@ class SyntheticImages(Dataset[tuple[torch.Tensor, int]]):
         return self.prototypes[label] * contrast + self.noise * noise, label
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """CIFAR-10's python batches: dicts, lists, bytes and numpy arrays, nothing else."""
+
+    _ALLOWED = {("_codecs", "encode"), ("numpy", "ndarray"), ("numpy", "dtype")} | {
+        (f"numpy.{core}.{module}", name)
+        for core in ("core", "_core")
+        for module, name in (("multiarray", "_reconstruct"), ("numeric", "_frombuffer"))
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a CIFAR-10 batch")
+        return super().find_class(module, name)
+
+
 class Cifar10(Dataset[tuple[torch.Tensor, int]]):
     """CIFAR-10 training split from the python pickle batches (``data_batch_1..5``)."""
 
@@ -72,7 +87,7 @@ class Cifar10(Dataset[tuple[torch.Tensor, int]]):
         labels: list[int] = []
         for n in range(1, 6):
             with fs.open(f"{root.rstrip('/')}/data_batch_{n}", "rb") as f:
-                batch: dict[bytes, Any] = pickle.load(f, encoding="bytes")
+                batch: dict[bytes, Any] = _CifarUnpickler(f, encoding="bytes").load()
             arrays.append(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
             labels.extend(int(x) for x in batch[b"labels"])
         self.images = torch.from_numpy(np.concatenate(arrays))

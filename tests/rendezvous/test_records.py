@@ -126,7 +126,7 @@ def trust(secret: bytes | None = b"job-secret") -> Trust:
 
 
 def test_signed_records_read_back_and_an_unsigned_or_foreign_one_is_refused() -> None:
-    value = trust().seal(PREFIX + b"n1", ANNOUNCEMENT)
+    value = trust().seal(PREFIX + b"n1", ANNOUNCEMENT, lease=77)
     assert "sig" in json.loads(value)
     assert decode_member(kv("n1", value), PREFIX, trust()) == parse_member(kv("n1", value), PREFIX)
     assert decode_member(kv("n1", ANNOUNCEMENT.encode()), PREFIX, trust()) is None

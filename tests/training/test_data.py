@@ -83,3 +83,20 @@ def test_missing_dataset_is_a_config_error(tmp_path: Path) -> None:
     cfg = DataConfig(source="imagefolder", path=str(tmp_path / "none"))
     with pytest.raises(ConfigError, match="cannot be read as imagefolder"):
         build_dataset(cfg, 2, 0)
+
+
+class _Planted:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("planted code ran",))
+
+
+def test_a_cifar_batch_that_builds_anything_but_arrays_is_refused(tmp_path: Path) -> None:
+    fs, root = fsspec.core.url_to_fs(str(tmp_path / "cifar"))
+    _write_cifar(fs, root)
+    with fs.open(f"{root}/data_batch_3", "wb") as f:
+        pickle.dump({b"data": _Planted(), b"labels": [1]}, f)
+    cfg = DataConfig(
+        source="cifar10", path=str(tmp_path / "cifar"), global_batch_size=4, micro_batch_size=2
+    )
+    with pytest.raises(ConfigError, match="is not part of a CIFAR-10 batch"):
+        build_dataset(cfg, 10, 0)

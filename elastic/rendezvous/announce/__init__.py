@@ -69,7 +69,7 @@ written without the secret gets no rank (one warning and an ``rdzv.untrusted`` e
 key), and a round not signed by the job is refused (read as no round), so a forged
 ``closed`` flag ends nothing. Without a secret everything works as before, unsigned, and
 whoever can write etcd can join or forge a round: protect etcd with TLS and auth either way
-(a writer can still delete keys, or replay an older signed record of the same key).
+(a writer can still delete keys; a signed record written back is refused: see records.py).
 
 The modules, one concept each: :mod:`.records` (the two records, decoded once),
 :mod:`.policy` (the closer's rules and the agent's question, pure), :mod:`.state` (what a
