@@ -54,8 +54,7 @@ class Stager:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if plan is not None:
-            for address in self._copied:
-                plan.ready(address)
+            plan.ready_soon(self._copied)  # queued by a hashing thread, not this one
         return staged
 
     def owns(self, address: int, nbytes: int) -> bool:
