@@ -170,10 +170,13 @@ _IGNORED_AT_START = (signal.SIGPIPE, signal.SIGXFSZ)
 
 
 def note_cold(reason: str) -> None:
-    """Log once per reason that workers start cold (fresh processes)."""
+    """Log once per reason that workers start cold (fresh processes): at INFO when that is
+    asked for (``ELASTIC_WARM_START=0``) or expected (a script on ``elastic.Run``)."""
     if reason not in _told:
         _told.add(reason)
-        logger.warning("Starting the workers cold (fresh processes): %s", reason)
+        expected = reason.startswith(f"${env.WARM_START}") or "imports elastic" in reason
+        level = logging.INFO if expected else logging.WARNING
+        logger.log(level, "Starting the workers cold (fresh processes): %s", reason)
 
 
 # The interpreter options a worker inherits from the server (the agent's), all but -u
