@@ -9,8 +9,12 @@ wait (briefly) until it accepts connections before starting theirs; the workers 
 rank are then its clients (torch elastic's ``TORCHELASTIC_USE_AGENT_STORE``). A new round
 gets a new store, so no key of an earlier round's process group is ever read again.
 
-If rank 0's agent cannot host it (the announced port was taken meanwhile), its worker
-hosts the store as before; the other ranks are clients either way.
+The port is bound when the node announces it (:meth:`BootstrapStore.reserve`: a socket on
+port 0, kept listening) and that same socket is handed to the store if the node becomes rank
+0, so no other process can take the port between the announcement and the round (a port
+merely found free and closed again was lost that way once in torch's agent tests). If rank
+0's agent still cannot host it, its worker hosts the store as before; the other ranks are
+clients either way.
 
 Who can reach it. torch's TCPStore listens on every interface (``*:port``) and has no
 authentication and no bound on what a client stores (torch 2.14: no bind address, no size
@@ -44,23 +48,55 @@ class BootstrapStore:
     def __init__(self, timeout: timedelta = timedelta(minutes=5)) -> None:
         self._timeout = timeout
         self._server: TCPStore | None = None
+        self._reserved: socket.socket | None = None
 
     @property
     def hosting(self) -> bool:
         """Whether this agent hosts the current round's store."""
         return self._server is not None
 
+    def reserve(self, addr: str) -> int:
+        """Bind a port for the store on ``addr`` now and hold it: the port to announce.
+
+        The socket listens from now on (a client that connects early waits in its backlog)
+        and becomes the store's if this node is rank 0 of its round (:meth:`start_round`).
+        If ``addr`` cannot be bound, a port found free on every interface, not held.
+        """
+        self._release()
+        try:
+            self._reserved = listen_on(addr, 0)
+        except OSError as exc:
+            logger.warning(
+                "Could not bind a bootstrap store port on %s (%s); announcing a free port "
+                "without holding it.",
+                addr,
+                exc,
+            )
+            with _everywhere(0) as sock:
+                return int(sock.getsockname()[1])
+        return int(self._reserved.getsockname()[1])
+
     def start_round(self, rank: int, addr: str, port: int) -> None:
         """Host the store at ``port`` (rank 0), or wait until rank 0's agent does."""
+        reserved, self._reserved = self._reserved, None
         self.close()
+        if reserved is not None and (rank != 0 or reserved.getsockname()[1] != port):
+            reserved.close()
+            reserved = None
         if rank == 0:
-            self._server = _host(addr, port, self._timeout)
+            self._server = _host(addr, port, self._timeout, reserved)
         else:
             wait_listening(addr, port, WAIT_S)
 
     def close(self) -> None:
-        """Stop hosting (the round's workers are gone)."""
+        """Stop hosting (the round's workers are gone) and release a held port."""
         self._server = None  # the server stops with its last reference
+        self._release()
+
+    def _release(self) -> None:
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
 
 
 def listen_on(addr: str, port: int) -> socket.socket:
@@ -105,9 +141,12 @@ def _loopback_name(addr: str) -> bool:
         return False
 
 
-def _host(addr: str, port: int, timeout: timedelta) -> TCPStore | None:
+def _host(
+    addr: str, port: int, timeout: timedelta, sock: socket.socket | None = None
+) -> TCPStore | None:
+    """A TCPStore on ``sock`` (the held port), else on a socket bound to ``addr:port`` now."""
     try:
-        sock = listen_on(addr, port)
+        sock = sock or listen_on(addr, port)
     except OSError as exc:
         logger.warning(
             "Could not listen on %s:%d for the bootstrap store (%s); rank 0's worker hosts it.",

@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from torch.distributed import PrefixStore, Store
@@ -37,7 +38,6 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic import events
 from elastic.etcd.client import REQUEST_ERRORS, EtcdClient, WatchHandle
-from elastic.etcd.server import free_port
 from elastic.rendezvous.announce import policy
 from elastic.rendezvous.announce.closer import Closer
 from elastic.rendezvous.announce.follower import Follower
@@ -111,6 +111,14 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._peers: frozenset[str] = frozenset()
         self._reform_requested = False
         self._bootstrap = BootstrapStore()
+        # A handler dropped without shutdown() (torch's own agent tests drop some) must not
+        # leave its threads in gRPC: a later fork() then aborts in the child (gRPC skips its
+        # fork handlers while other threads are in a call). The threads hold no reference
+        # to the handler (_watch_loop is static), so it is collected and this stops them.
+        lease_parts = (self._lease, self._ledger)
+        self._finalizer = weakref.finalize(
+            self, _release, self._state, self._threads, self._keeper, self._bootstrap, lease_parts
+        )
 
     def _parts(
         self,
@@ -322,12 +330,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
 
     def close(self) -> None:
         """Stop the background threads, drop this node's key, close the probe port and client."""
-        self._stop_threads()
-        with contextlib.suppress(Exception):
-            self._lease.revoke()
-        self._keeper.close()
-        self._bootstrap.close()
-        self._ledger.close()
+        self._finalizer()  # _release
+        self._state.watch = WatchHandle()
 
     # -- announcing and the threads --------------------------------------------
 
@@ -341,7 +345,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             pid=os.getpid(),
             local_id=self._local_id,
             probe=listener.port,
-            port=free_port(""),
+            port=self._bootstrap.reserve(self._addr),  # held until the round
             after=after,
             local_world_size=self._local_world_size,
         )
@@ -352,48 +356,74 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         if self._threads:
             return
         self._state.stopped.clear()
-        loops: list[tuple[Callable[[], None], str]] = [
-            (self._watch_loop, "announce-watch"),
-            (self._keeper.probe_loop, "announce-live"),
-            (self._keeper.lease_loop, "announce-lease"),
+        # No target is a method of the handler (see the finalizer in __init__).
+        watch = (self._state, self._closer, self._follower, self._outage)
+        loops: list[tuple[Callable[..., None], tuple[object, ...], str]] = [
+            (_watch_loop, watch, "announce-watch"),
+            (self._keeper.probe_loop, (), "announce-live"),
+            (self._keeper.lease_loop, (), "announce-lease"),
         ]
-        for target, name in loops:
-            thread = threading.Thread(target=target, name=name, daemon=True)
+        for target, args, name in loops:
+            thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def _stop_threads(self) -> None:
-        state = self._state
-        state.stopped.set()
-        state.probe_now.set()
-        state.watch.cancel()
-        with state.cond:
-            state.cond.notify_all()
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=5)
-        self._threads = []
-        state.watch = WatchHandle()
+        _stop(self._state, self._threads)
+        self._state.watch = WatchHandle()
 
-    def _watch_loop(self) -> None:
-        """Follow the round key (and the predecessor, or as the closer every member)."""
-        stopped = self._state.stopped
-        while not stopped.is_set():
-            try:
-                step = self._closer.step if self._state.closer else self._follower.step
-                if step():  # etcd answered (not merely a watch that ran out)
-                    self._outage.record(None)
-            except REQUEST_ERRORS as exc:
-                if stopped.is_set():
-                    return
-                logger.debug("The rendezvous watch failed: %s", exc)
-                self._outage.record(exc)
-                stopped.wait(_RETRY_S)
-            except Exception:
-                if stopped.is_set():
-                    return
-                logger.exception("The rendezvous loop of '%s' failed; retrying.", self._name)
-                stopped.wait(_RETRY_S)
+
+def _stop(state: NodeState, threads: list[threading.Thread]) -> None:
+    """Stop a handler's threads (ends its watch at once) and wait for them."""
+    state.stopped.set()
+    state.probe_now.set()
+    state.watch.cancel()
+    with state.cond:
+        state.cond.notify_all()
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout=5)
+    threads.clear()
+
+
+def _release(
+    state: NodeState,
+    threads: list[threading.Thread],
+    keeper: Keeper,
+    bootstrap: BootstrapStore,
+    lease_parts: tuple[MemberLease, RunLedger],
+) -> None:
+    """What a handler holds outside itself: its threads, this node's key, its probe port,
+    bootstrap store and etcd client (the ledger's close). Run once, by close() or when a
+    handler is dropped (or at exit)."""
+    lease, ledger = lease_parts
+    _stop(state, threads)
+    with contextlib.suppress(Exception):
+        lease.revoke()
+    keeper.close()
+    bootstrap.close()
+    ledger.close()
+
+
+def _watch_loop(state: NodeState, closer: Closer, follower: Follower, outage: Outage) -> None:
+    """Follow the round key (and the predecessor, or as the closer every member)."""
+    stopped = state.stopped
+    while not stopped.is_set():
+        try:
+            step = closer.step if state.closer else follower.step
+            if step():  # etcd answered (not merely a watch that ran out)
+                outage.record(None)
+        except REQUEST_ERRORS as exc:
+            if stopped.is_set():
+                return
+            logger.debug("The rendezvous watch failed: %s", exc)
+            outage.record(exc)
+            stopped.wait(_RETRY_S)
+        except Exception:
+            if stopped.is_set():
+                return
+            logger.exception("The rendezvous loop of '%s' failed; retrying.", state.name)
+            stopped.wait(_RETRY_S)
 
 
 def build_announce_handler(
