@@ -45,7 +45,7 @@ the script is not a Python source file (a directory, a zip, a .pyc) or its modul
 found; the script touches ``os.environ``/``putenv`` before its first import of torch (it
 means to steer torch's import, which the server already made); the script imports
 ``elastic`` (on ``elastic.Run``: its in-place hand-over is not yet verified with forked
-workers; a test of it failed, so these stay cold for now); at each start, the agent's
+workers, so these stay cold for now); at each start, the agent's
 environment differs from the one the server started with (``TORCHELASTIC_*`` and the
 inductor cache dir aside: torch's agent sets them, torch reads them at run time); the
 server has more than one thread, or has loaded the CUDA driver or opened a GPU device (a
