@@ -349,7 +349,7 @@ class Run:
         if self._member is None:
             dist.all_reduce(tensor, op=op)
             return True
-        return self._member.guard.run(lambda: dist.all_reduce(tensor, op=op, async_op=True))
+        return self._member.guard.all_reduce(tensor, op)
 
     def log_loss(self, value: float | torch.Tensor, weight: float = 1.0) -> None:
         """This rank's loss of the step (``weight``: e.g. its number of samples). It rides
