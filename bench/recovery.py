@@ -94,6 +94,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
+from elastic.harness import benchjson
 from elastic.harness.cluster import (
     C10D,
     REPO,
@@ -672,11 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.with_defaults and "c10d-default" not in backends:
         backends.append("c10d-default")
     out = merged(args.merge) if args.merge else run_all(args, backends)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    return 0
+    return benchjson.emit(out, args.json_out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def main() -> None:
         restart=int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
         group_rank=int(os.environ["GROUP_RANK"]),
         pid=os.getpid(),
-        agent_pid=os.getppid(),
+        # warm, the parent is the fork server: the agent is the snapshot owner
+        agent_pid=int(os.environ.get("ELASTIC_SNAPSHOT_OWNER") or os.getppid()),
         node=os.environ.get("TEST_NODE", "?"),
         master=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
     )
