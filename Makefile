@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docker browser bench clean
+.PHONY: demo test lint docker browser slurm bench clean
 
 $(BIN)/elastic: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,11 @@ docker:
 browser:
 	bash .ci/browser-setup.sh
 
-test: lint docker browser
+# The Slurm test needs Debian's slurm-wlm and munge: installed (apt, as root) when missing.
+slurm:
+	bash .ci/slurm-setup.sh
+
+test: lint docker browser slurm
 	$(BIN)/python -m pytest
 
 # Writes bench/results-rendezvous.json and bench/results-recovery.json (not tracked; each
