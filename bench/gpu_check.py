@@ -639,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.cpu
     gpus = torch.cuda.device_count() if cuda else 0
     if args.dry_run:
-        return benchjson.emit({"dry_run": True, **plan(args, cuda, gpus)})
+        return benchjson.output({"dry_run": True, **plan(args, cuda, gpus)})
     if not cuda and not args.cpu:
         print(
             "No CUDA device is present on this machine, so the NCCL checks cannot run: run "
@@ -671,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result["node_kill"] = node_kill(base / "node", backend, cuda)
         if "inplace" in args.checks:
             result["inplace"] = inplace_all(base / "inplace", args, cuda, gpus)
-    return benchjson.emit(result, args.json_out)
+    return benchjson.output(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.with_defaults and "c10d-default" not in backends:
         backends.append("c10d-default")
     out = merged(args.merge) if args.merge else run_all(args, backends)
-    return benchjson.emit(out, args.json_out)
+    return benchjson.output(out, args.json_out)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "rendezvous without waiting for their heartbeats to expire: nodes",
         "worker.restart": "an agent restarts its workers: reason 'reform' (a membership "
         "change) or 'failure' (spends the job's restart budget, kept in etcd)",
+        "worker.frozen": "an agent ended a worker stopped (SIGSTOP) for FROZEN_S seconds so "
+        "that it restarts: pid, local_rank, seconds",
         "etcd.unreachable": "an agent lost etcd; training goes on until outage_timeout",
         "etcd.reachable": "an agent reached etcd again after an outage: seconds it lasted",
         # workers (elastic.training.worker, elastic.checkpoint.manager)

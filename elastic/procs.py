@@ -74,6 +74,15 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def state(pid: int) -> str:
+    """Process ``pid``'s state letter from ``/proc/PID/stat`` (``R``, ``S``, ``D``, ``T``
+    stopped, ``Z`` ...); "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def started_at(pid: int) -> float | None:
     """When process ``pid`` started (``time.time()`` scale, about 10 ms resolution); None if
     it is gone or this is not Linux. Tells a pid that was reused from the process it was."""
@@ -120,4 +129,5 @@ __all__ = [
     "name",
     "set_name",
     "started_at",
+    "state",
 ]

@@ -41,6 +41,9 @@ Small hooks into torch's agent:
   half an interval on average to be seen. Here the wait between checks ends as soon
   as a worker process ends (:meth:`NodeAgent._wait_for_worker_exit`); the interval
   still paces the checks of healthy workers and of the rendezvous.
+* **A frozen worker is ended.** A worker stopped (SIGSTOP) for ``FROZEN_S`` seconds while
+  its agent runs is killed and restarted like a failed one (:mod:`elastic.agent.frozen`):
+  its peers would otherwise wait on it round after round.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from elastic import env, events, metrics, nodelocal, reform
 from elastic.agent import warm
+from elastic.agent.frozen import FrozenWatch
 from elastic.inplace import channel
 from elastic.inplace.channel import Assignment
 from elastic.procs import alive
@@ -83,6 +87,7 @@ class NodeAgent(LocalElasticAgent):
 
     _change: MembershipChange | None = None  # what made the current restart, once seen
     _tick_s: float | None = None  # the monitor interval, while _invoke_run waits on exits
+    _frozen: FrozenWatch | None = None  # workers seen stopped (SIGSTOP), made on first use
 
     def _handler(self) -> MembershipHandler | None:
         handler = self._worker_group.spec.rdzv_handler
@@ -304,6 +309,7 @@ class NodeAgent(LocalElasticAgent):
         if handler is None:
             return result
         if result.state == WorkerState.HEALTHY:
+            self._end_frozen_workers(handler)
             self._workers_ask_for_round(handler)
             self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
             return result
@@ -318,6 +324,23 @@ class NodeAgent(LocalElasticAgent):
         metrics.on_change("failure")
         self._spend_job_restart(handler)
         return result
+
+    def _end_frozen_workers(self, handler: MembershipHandler) -> None:
+        """SIGKILL workers stopped for FROZEN_S seconds: the next check sees them failed."""
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is None:
+            return
+        self._frozen = self._frozen or FrozenWatch()
+        pids = pcontext.pids()
+        for pid in self._frozen.end(pids):
+            rank = next(r for r, p in pids.items() if p == pid)
+            events.emit(
+                "worker.frozen",
+                pid=pid,
+                local_rank=rank,
+                seconds=self._frozen.limit_s,
+                run_id=handler.get_run_id(),
+            )
 
     def _note_change(self, handler: MembershipHandler) -> None:
         """Ask the handler whether the group must re-form; log and record why, once."""

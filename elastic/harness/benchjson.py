@@ -2,7 +2,7 @@
 the median and spread of repeated figures.
 
 Every bench script ends the same way: the result as indented JSON on stdout, the same text
-in ``--json-out`` when given, exit status 0 (:func:`emit`). Repeated figures are summarized
+in ``--json-out`` when given, exit status 0 (:func:`output`). Repeated figures are summarized
 as their count, median, minimum and maximum (:func:`spread`), figures that did not come
 (None) left out and counted apart.
 """
@@ -21,7 +21,7 @@ def dumps(result: Mapping[str, Any]) -> str:
     return json.dumps(result, indent=2, default=str)
 
 
-def emit(result: Mapping[str, Any], json_out: Path | None = None) -> int:
+def output(result: Mapping[str, Any], json_out: Path | None = None) -> int:
     """Print ``result`` as JSON and write the same text to ``json_out`` (when given);
     returns 0, a bench script's exit status once its result is out."""
     text = dumps(result)
@@ -47,4 +47,4 @@ def spread(values: Sequence[float | int | None], digits: int = 3) -> dict[str, A
     }
 
 
-__all__ = ["dumps", "emit", "spread"]
+__all__ = ["dumps", "output", "spread"]

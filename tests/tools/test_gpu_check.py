@@ -131,9 +131,9 @@ def test_recovered_step_is_the_first_after_a_reform(tmp_path: Path) -> None:
     assert gpu_check.first_recovered_step(Events(log[:2]), 10.0) is None
 
 
-def test_benchjson_emit_and_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_benchjson_output_and_spread(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
-    assert benchjson.emit({"a": 1, "p": tmp_path}, out) == 0
+    assert benchjson.output({"a": 1, "p": tmp_path}, out) == 0
     printed = capsys.readouterr().out
     assert json.loads(printed) == json.loads(out.read_text()) == {"a": 1, "p": str(tmp_path)}
     assert benchjson.spread([3, None, 1, 2]) == {
