@@ -120,11 +120,6 @@ def test_user_script_reforms_in_place(cluster: LocalCluster, tmp_path: Path) -> 
     assert _relative_l2(final, expected) < BOUND
 
 
-@pytest.mark.xfail(
-    reason="known: the thawed node's worker can die with SIGSEGV about 30 s after it rejoined "
-    "in place (seen in 2 of 5 runs; it then restarts from memory); see docs/inplace.md",
-    strict=False,
-)
 def test_a_frozen_node_rejoins_in_place(cluster: LocalCluster, tmp_path: Path) -> None:
     """A node frozen (SIGSTOP) for 20 s and thawed: the others go on without it at heartbeat
     expiry, it rejoins in place, receives the state instead of serving its stale one and
@@ -172,12 +167,6 @@ def _reference(ref: Path, epochs: int) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-@pytest.mark.xfail(
-    reason="known: the restarted worker, back in place, can abort (SIGABRT in a C++ thread, "
-    "no Python frame) seconds after it rejoined, as the thawed worker's SIGSEGV; seen once "
-    "in CI; see docs/inplace.md",
-    strict=False,
-)
 def test_failure_inside_optimizer_step_restarts_that_rank(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
