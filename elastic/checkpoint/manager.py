@@ -36,8 +36,12 @@ A save whose fence etcd does not answer within :data:`FENCE_TIMEOUT_S` (an etcd
 outage) is *skipped*, not failed: nothing is committed, the failure count stays,
 training goes on. The unanswered call keeps its own thread, and until it returns
 every later fence call is skipped at once, so an outage costs a save at most
-:data:`FENCE_TIMEOUT_S` of its background thread, once; a refusal (this group's
-round is stale) is still a failure.
+:data:`FENCE_TIMEOUT_S` of its background thread, once. A fence that refuses before
+anything is written (this group's round is no longer the newest: a join forms while the
+others train on in place, or the agents are about to restart the group) skips the save
+too: counted as failures, a slow joiner's few seconds made ``max_failures`` refusals
+in a row and stopped the job. A refusal at commit, after the files were written, is
+still a failure.
 """
 
 from __future__ import annotations
@@ -335,7 +339,9 @@ class CheckpointManager:
                 chosen = new_attempt()
             except _Unfenced as exc:  # etcd does not answer: skip this save
                 chosen = f"{_SKIPPED}{exc}"
-            except Exception as exc:  # a refused fence: write nothing at all
+            except CheckpointError as exc:  # the round moved on: skip, write nothing
+                chosen = f"{_SKIPPED}{exc}"
+            except Exception as exc:  # the fence failed otherwise: write nothing at all
                 chosen = f"commit refused: {type(exc).__name__}: {exc}"
         return str(self._broadcast(chosen, _string))
 

@@ -141,6 +141,22 @@ def test_a_fence_that_refuses_up_front_writes_nothing(url: str, tmp_path: Path) 
     assert _snapshot(tmp_path / "ckpt") == before
 
 
+def test_saves_a_moved_on_round_refuses_up_front_are_skipped_not_failures(
+    url: str, tmp_path: Path
+) -> None:
+    """While a join forms, the others train on in place in the older round: their saves are
+    refused up front, and that must never add up to max_failures and stop the job."""
+    _commit(small_manager(url), 40)
+    fence = RecordingFence(round_=7)
+    fence.current = 8  # a joiner's round formed; this group switches at its next step
+    manager = small_manager(url, max_failures=2, commit_fence=fence)
+    for step in (41, 42, 43):
+        outcome = manager.save(step, small_state(float(step)), block=True)
+        assert outcome is not None and outcome.skipped and "no longer current" in outcome.error
+    manager.wait()  # would raise after max_failures failures in a row
+    assert manager.failures == 0 and find_latest_complete(url, RUN).step == 40
+
+
 # 3. the commit record is the truth; purge is fenced and never deletes newer steps
 
 
