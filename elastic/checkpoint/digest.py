@@ -180,31 +180,11 @@ class LeafPlan:
         for leaf in ready:
             self._submit(leaf, round_)
 
-    def ready_soon(self, addresses: list[int]) -> None:
-        """:meth:`ready` for each of ``addresses``, in a hashing thread (returns at once)."""
-        with self._lock:
-            round_ = self._round
-
-        def release() -> None:
-            for address in addresses:
-                with self._lock:
-                    if round_ != self._round:  # taken, or staged anew, meanwhile
-                        return
-                self.ready(address)
-
-        _hash_pool().submit(release)
-
     def _submit(self, leaf: int, round_: int) -> None:
         future = _hash_pool().submit(_sha256_of, self._leaves[leaf])
         with self._lock:
             if round_ == self._round:  # not yet taken, nor staged anew
                 self._hashes[leaf] = future
-
-    @property
-    def queued(self) -> int:
-        """How many leaves of this round are hashed or being hashed ahead."""
-        with self._lock:
-            return len(self._hashes)
 
     def take(self, keys: tuple[Any, ...]) -> dict[int, Future[bytes]] | None:
         """This round's leaf hashes, by leaf index, if ``keys`` are this plan's; once."""

@@ -54,7 +54,8 @@ class Stager:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if plan is not None:
-            plan.ready_soon(self._copied)  # queued by a hashing thread, not this one
+            for address in self._copied:
+                plan.ready(address)
         return staged
 
     def owns(self, address: int, nbytes: int) -> bool:

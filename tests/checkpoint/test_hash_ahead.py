@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from elastic.checkpoint import CheckpointManager, find_latest_complete
 from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.digest import SHA256_TREE, TREE_CHUNK, LeafPlan, digest_of
-from elastic.checkpoint.stager import Stager
-from elastic.checkpoint.storage import FastSavePlanner, HashingWriter, filesystem
-from tests.helpers import wait_until
+from elastic.checkpoint.storage import filesystem
 
 from .conftest import RUN, assert_same_bytes, make_state, zeros_like
 from .tamper import tensor_offset
@@ -50,38 +45,36 @@ def _taken(monkeypatch: pytest.MonkeyPatch) -> list[dict[int, Future[bytes]] | N
     return taken
 
 
-def _queued(plan: LeafPlan, leaves: int) -> bool:
-    return plan.queued >= leaves
-
-
 def _manager(url: str) -> CheckpointManager:
     return CheckpointManager(CheckpointConfig(url=url, interval=1, keep_last=5), RUN)
 
 
-def test_signed_writes_use_leaves_hashed_once_staged(
+def test_signed_saves_use_leaves_hashed_once_staged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken = _taken(monkeypatch)
-    stager = Stager(pin_memory=False)
-    leaves = -(-(3 * BIG * 4) // TREE_CHUNK)  # the big tensors' leaves
+    url = str(tmp_path / "ckpt")
+    manager = _manager(url)
     for step in (1, 2, 3):
-        state = _state(step)
-        staged = stager.stage(state)
-        if step > 1:  # the first write laid the leaves out; later stages queue them
-            plan = stager.leaf_plan
-            assert plan is not None
-            wait_until(partial(_queued, plan, leaves - 1), 30, "the leaves to be queued")
-        writer = HashingWriter(str(tmp_path / f"s{step}"), SHA256_TREE)
-        dcp.save(staged, storage_writer=writer, planner=FastSavePlanner())
-        entry = writer.written[SHARD]
-        fs, path = filesystem(str(tmp_path / f"s{step}" / SHARD))
-        assert digest_of(fs, path, SHA256_TREE) == entry[SHA256_TREE]
-        loaded = zeros_like(_state(0))
-        dcp.load(loaded, storage_reader=FileSystemReader(str(tmp_path / f"s{step}")))
-        assert_same_bytes(loaded, state)
-    # The leaf with the pickled plain values is always hashed by the writer.
+        outcome = manager.save(step, _state(step), block=True)
+        assert outcome is not None and outcome.ok, outcome
+    assert manager.secret is not None  # signed: the SHA-256 tree
+    manager.close()
+    # The first save plans the leaves; the next two find most of them hashed ahead (the
+    # leaf with the pickled plain values is always hashed by the writer).
+    leaves = -(-(3 * BIG * 4) // TREE_CHUNK)
     assert len(taken) == 2
     assert all(hashed is not None and len(hashed) >= leaves - 1 for hashed in taken), taken
+    info = find_latest_complete(url, RUN, verify="full", secret=manager.secret)
+    assert info is not None and info.step == 3 and info.marker is not None
+    entry = info.marker["files"][SHARD]
+    fs, path = filesystem(f"{info.data_url}/{SHARD}")
+    assert digest_of(fs, path, SHA256_TREE) == entry[SHA256_TREE]
+    loaded = _manager(url).load_latest(lambda: zeros_like(_state(0)))
+    assert loaded is not None
+    step, state = loaded
+    assert step == 3
+    assert_same_bytes(state, _state(3))
 
 
 def test_a_changed_layout_is_hashed_afresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,7 +95,7 @@ def test_a_changed_layout_is_hashed_afresh(tmp_path: Path, monkeypatch: pytest.M
     assert_same_bytes(state, _state(2, BIG + 8))
 
 
-def test_a_changed_byte_after_saves_that_hash_ahead_is_refused(
+def test_a_changed_byte_in_a_leaf_hashed_ahead_is_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = str(tmp_path / "ckpt")
