@@ -12,9 +12,9 @@ these digests, so the hash needs no key of its own. Unsigned runs keep CRC-32
 (``"crc32"``; ISA-L's where the ``isal`` package is installed, 12 GB/s): there is no
 signature to trust a digest with anyway. Both are computed beside the writes, and
 the writer's result waits only for the marker. With the tree, a signed manager's leaves
-are mostly hashed before the write even starts: the stager queues every leaf once the
-buffers it covers are staged (:class:`LeafPlan`, laid out by the previous save), so they
-hash while DCP plans. The tree and the marker are what they
+are mostly hashed before the write even starts: the stager hashes each leaf as soon as
+the buffers it covers are staged (:class:`LeafPlan`, laid out by the previous save), on
+the core the copy leaves idle, while DCP plans. The tree and the marker are what they
 were: a checkpoint hashed ahead and one hashed by the writer are the same bytes.
 """
 
