@@ -6,14 +6,12 @@ non-blocking); later calls only ``copy_`` into them. That is the floor cost of
 taking a consistent snapshot: the blocking part of an async save is this copy.
 Non-tensor leaves (ints, lists, bytes) are deep-copied; they are small.
 
-For signed saves the stager also starts the data file's SHA-256 tree: the writer leaves
-it the file's :class:`~elastic.checkpoint.digest.LeafPlan` (which tree leaf covers which
-buffer), and once the copy is done (synchronized, for CUDA) every leaf of the buffers is
-queued for hashing in the digest pool. The hashing so runs during DCP's planning and
-the write instead of only once the write starts; the next writer uses those hashes only
-when its file is laid out exactly as planned. It starts after the copy, not beside it: a
-hash thread beside the copy slowed the copy (the blocking part of a save) by up to 3x
-on the loaded 2-core box.
+For signed saves the stager also starts the data file's SHA-256 tree as it copies: the
+writer leaves it the file's :class:`~elastic.checkpoint.digest.LeafPlan` (which tree leaf
+covers which buffer), and each leaf is hashed, beside the copy, as soon as the buffers it
+covers hold their new bytes. The hashing so runs during the copy and DCP's planning, on
+bytes the copy has just brought into the cache, instead of only once the write starts;
+the next writer uses those hashes only when its file is laid out exactly as planned.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._sizes: dict[int, int] = {}  # buffer address -> bytes
         self.leaf_plan: LeafPlan | None = None  # the last signed file's, from its writer
-        self._copied: list[int] = []  # the buffers this call copied (their addresses)
+        self._copied: list[int] = []  # addresses copied asynchronously (CUDA), this call
 
     def stage(self, state: Any) -> Any:
         """Return a CPU copy of ``state`` whose tensors live in this stager's buffers.
@@ -91,7 +89,11 @@ class Stager:
                 self._sizes[buf.data_ptr()] = nbytes
                 _owners[buf.data_ptr()] = self
         buf.copy_(tensor, non_blocking=tensor.is_cuda)
-        self._copied.append(buf.data_ptr())  # its leaves are hashed once the copy is done
+        if self.leaf_plan is not None:
+            if tensor.is_cuda:
+                self._copied.append(buf.data_ptr())  # ready once synchronized
+            else:
+                self.leaf_plan.ready(buf.data_ptr())
         return buf
 
 

@@ -1,4 +1,4 @@
-"""Signed saves hash the SHA-256 tree's leaves once staged: the same digest, still checked."""
+"""Signed saves hash the SHA-256 tree's leaves while staging: the same digest, still checked."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _manager(url: str) -> CheckpointManager:
     return CheckpointManager(CheckpointConfig(url=url, interval=1, keep_last=5), RUN)
 
 
-def test_signed_saves_use_leaves_hashed_once_staged(
+def test_signed_saves_use_leaves_hashed_while_staging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken = _taken(monkeypatch)
