@@ -10,12 +10,7 @@ with its writes (one thread of SHA-256 runs about 1 GB/s with SHA-NI, below a di
 page-cache write speed; BLAKE2b is slower still on x86). The marker's HMAC covers
 these digests, so the hash needs no key of its own. Unsigned runs keep CRC-32
 (``"crc32"``; ISA-L's where the ``isal`` package is installed, 12 GB/s): there is no
-signature to trust a digest with anyway. Both are computed beside the writes, and
-the writer's result waits only for the marker. With the tree, a signed manager's leaves
-are mostly hashed before the write even starts: the stager hashes each leaf as soon as
-the buffers it covers are staged (:class:`LeafPlan`, laid out by the previous save), on
-the core the copy leaves idle, while DCP plans. The tree and the marker are what they
-were: a checkpoint hashed ahead and one hashed by the writer are the same bytes.
+signature to trust a digest with anyway. Both are computed beside the writes.
 """
 
 from __future__ import annotations
@@ -74,12 +69,11 @@ def _sha256_of(pieces: list[Any]) -> bytes:
 class _Tree:
     """The SHA-256 tree of a byte stream, its chunks hashed in the pool as they fill."""
 
-    def __init__(self, hashed: dict[int, Future[bytes]] | None = None) -> None:
+    def __init__(self) -> None:
         self._pieces: list[Any] = []
         self._filled = 0
         self._size = 0
         self._leaves: list[Future[bytes]] = []
-        self._hashed = hashed or {}  # leaf index -> its hash, computed ahead
 
     def update(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -93,8 +87,7 @@ class _Tree:
                 self._flush()
 
     def _flush(self) -> None:
-        ahead = self._hashed.get(len(self._leaves))
-        self._leaves.append(ahead or _hash_pool().submit(_sha256_of, self._pieces))
+        self._leaves.append(_hash_pool().submit(_sha256_of, self._pieces))
         self._pieces, self._filled = [], 0
 
     def hexdigest(self) -> str:
@@ -106,107 +99,17 @@ class _Tree:
         return root.hexdigest()
 
 
-class LeafPlan:
-    """Which memory each leaf of a file's SHA-256 tree covers, so that the leaves can be
-    hashed before the file is written: as soon as the state's tensors are staged.
-
-    Built by the writer from one save's byte views and what each one is (``keys``:
-    :func:`elastic.checkpoint.storage.HashingWriter.write_data`); the stager that
-    owns the tensors keeps it (:class:`~elastic.checkpoint.stager.Stager`), starts a new
-    round of hashes each time it stages (:meth:`begin`), and reports each tensor it has
-    copied (:meth:`ready`); a leaf is hashed in the pool once all the tensors it covers are
-    staged (leaves that cover other bytes, ``torch.save`` bytes of non-tensor items, are
-    never hashed ahead). The next writer takes the round's hashes (:meth:`take`) only
-    when its views are exactly this plan's (the same tensors, sizes and framing bytes, in
-    order), and hashes every leaf it is not given. A round's hashes are taken once.
-    """
-
-    def __init__(self, keys: tuple[Any, ...], views: list[memoryview], owners: list[Any]) -> None:
-        self.keys = keys
-        self._owners = owners  # the memory the views point into, alive while this plan is
-        self._leaves: list[list[memoryview]] = []
-        needs: list[set[int] | None] = []  # None: the leaf covers bytes that change
-        filled = TREE_CHUNK
-        for key, whole in zip(keys, views, strict=True):
-            view = whole.cast("B") if whole.format != "B" else whole
-            while view.nbytes:
-                if filled == TREE_CHUNK:
-                    self._leaves.append([])
-                    needs.append(set())
-                    filled = 0
-                take = min(view.nbytes, TREE_CHUNK - filled)
-                self._leaves[-1].append(view[:take])
-                need = needs[-1]
-                if key[0] == "tensor" and need is not None:
-                    need.add(key[1])
-                elif key[0] != "bytes":
-                    needs[-1] = None
-                filled += take
-                view = view[take:]
-        self._needs = needs
-        self._by_address: dict[int, list[int]] = {}
-        for leaf, need in enumerate(needs):
-            for address in need or ():
-                self._by_address.setdefault(address, []).append(leaf)
-        self._lock = threading.Lock()
-        self._round = 0
-        self._waiting: dict[int, set[int]] = {}
-        self._hashes: dict[int, Future[bytes]] = {}
-
-    def begin(self) -> None:
-        """Start a round: forget the last round's hashes (the tensors are staged anew)."""
-        with self._lock:
-            self._round += 1
-            self._hashes = {}
-            self._waiting = {leaf: set(need) for leaf, need in enumerate(self._needs) if need}
-            ready = [leaf for leaf, need in enumerate(self._needs) if need is not None and not need]
-            round_ = self._round
-        for leaf in ready:  # framing bytes only
-            self._submit(leaf, round_)
-
-    def ready(self, address: int) -> None:
-        """The tensor whose memory starts at ``address`` holds its new bytes: hash every
-        leaf of this round that waited only for it."""
-        ready = []
-        with self._lock:
-            for leaf in self._by_address.get(address, ()):
-                waiting = self._waiting.get(leaf)
-                if waiting is not None and address in waiting:
-                    waiting.discard(address)
-                    if not waiting:
-                        del self._waiting[leaf]
-                        ready.append(leaf)
-            round_ = self._round
-        for leaf in ready:
-            self._submit(leaf, round_)
-
-    def _submit(self, leaf: int, round_: int) -> None:
-        future = _hash_pool().submit(_sha256_of, self._leaves[leaf])
-        with self._lock:
-            if round_ == self._round:  # not yet taken, nor staged anew
-                self._hashes[leaf] = future
-
-    def take(self, keys: tuple[Any, ...]) -> dict[int, Future[bytes]] | None:
-        """This round's leaf hashes, by leaf index, if ``keys`` are this plan's; once."""
-        if keys != self.keys:
-            return None
-        with self._lock:
-            hashes, self._hashes, self._waiting = self._hashes, {}, {}
-            self._round += 1
-        return hashes
-
-
 class FileDigest:
     """A running digest of one file's bytes: ``kind`` is :data:`CRC32` or
     :data:`SHA256_TREE`. With the tree, the buffers passed to :meth:`update` must stay
     unchanged until :meth:`hexdigest` (they are hashed in other threads)."""
 
-    def __init__(self, kind: str = CRC32, hashed: dict[int, Future[bytes]] | None = None) -> None:
+    def __init__(self, kind: str = CRC32) -> None:
         if kind not in (CRC32, SHA256_TREE):
             raise ValueError(f"unknown file digest {kind!r}")
         self.kind = kind
         self._crc = 0
-        self._tree = _Tree(hashed) if kind == SHA256_TREE else None
+        self._tree = _Tree() if kind == SHA256_TREE else None
 
     def update(self, data: Any) -> None:
         """Add ``data`` (any buffer) to the digest."""
@@ -259,7 +162,6 @@ __all__ = [
     "SHA256_TREE",
     "TREE_CHUNK",
     "FileDigest",
-    "LeafPlan",
     "bytes_digest",
     "crc32",
     "digest_of",

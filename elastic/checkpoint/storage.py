@@ -19,11 +19,9 @@ module changes. :class:`HashingWriter` changes three things in torch's writer:
   non-tensor items are ``torch.save`` bytes as in torch;
 * every byte written is digested on the way out (:mod:`elastic.checkpoint.digest`:
   CRC-32, or a SHA-256 tree when the marker is signed), in one pass that runs beside
-  the writes and may finish after them (:attr:`HashingWriter.written` waits), so the
-  commit marker records digests without reading the checkpoint back; a signed save's
-  tree leaves are mostly hashed already, by the stager
-  (:class:`~elastic.checkpoint.digest.LeafPlan`). ``.metadata`` (small, and unpickled
-  on load) also gets a SHA-256, which the signed commit marker carries and :class:`VerifyingReader`
+  the writes, so the commit marker records digests without reading the
+  checkpoint back. ``.metadata`` (small, and unpickled on load) also gets a
+  SHA-256, which the signed commit marker carries and :class:`VerifyingReader`
   checks before it unpickles a byte;
 * local files are written with ``os.write`` on the staged tensors' memory (no
   copy, no Python buffering), their write-back to the disk is started as the
@@ -99,15 +97,12 @@ from torch.futures import Future as TorchFuture
 from elastic.checkpoint.digest import (
     CRC32,
     CRC32_IMPLEMENTATION,
-    SHA256_TREE,
     FileDigest,
-    LeafPlan,
     bytes_digest,
     crc32,
     recorded_kind,
 )
 from elastic.checkpoint.record import frame
-from elastic.checkpoint.stager import owner_of
 from elastic.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -167,8 +162,7 @@ class HashingWriter(FsspecWriter):
 
     def __init__(self, path: str, digest: str = CRC32, **kwargs: Any) -> None:
         super().__init__(path, sync_files=True, **kwargs)
-        self._written: dict[str, dict[str, Any]] = {}
-        self._pending: dict[str, tuple[int, Future[dict[str, str]], list[Any]]] = {}
+        self.written: dict[str, dict[str, Any]] = {}
         self.digest = digest
         FileDigest(digest)  # refuse an unknown kind now, not in the writer thread
         self._lock = threading.Lock()
@@ -194,28 +188,8 @@ class HashingWriter(FsspecWriter):
     def _record(self, name: str) -> dict[str, Any]:
         record: dict[str, Any] = {}
         with self._lock:
-            self._written[name] = record
+            self.written[name] = record
         return record
-
-    @property
-    def written(self) -> dict[str, dict[str, Any]]:
-        """File name -> ``{"size": bytes, kind: hexdigest}`` for every file written.
-
-        The data files' digests finish in the background after their writes (so that
-        hashing overlaps ``.metadata``'s write and DCP's gathers); reading this waits for
-        them, and raises what a digest raised. The state that was saved must stay
-        unchanged until then (the manager's staged copy does: it is reused only by the
-        next save, after this one).
-        """
-        with self._lock:
-            pending = list(self._pending.items())
-        for name, (size, digest, _keep) in pending:
-            record = {"size": size, **digest.result()}
-            with self._lock:
-                self._written[name] = record
-                del self._pending[name]
-        with self._lock:
-            return dict(self._written)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
         """Write this rank's items into ``<prefix>0.distcp`` in plan order (tensors as
@@ -226,51 +200,27 @@ class HashingWriter(FsspecWriter):
         storage: _StoragePrefix = plan.storage_data
         name = f"{storage.prefix}0{DEFAULT_SUFFIX}"
         views: list[memoryview] = []
-        keys: list[tuple[Any, ...]] = []  # what each view is (LeafPlan's keys)
         keep: list[Any] = []  # owners of the views' memory, alive until the file is closed
         results: list[WriteResult] = []
         offset = 0
         for item in plan.items:
-            parts = _item_views(item, planner.resolve_data(item), keep, keys)
+            parts = _item_views(item, planner.resolve_data(item), keep)
             length = sum(part.nbytes for part in parts)
             info = _StorageInfo(name, offset, length)
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             views += parts
             offset += length
-        hashed = self._hashed_ahead(tuple(keys), views, keep)
         path = self.fs.concat_path(self.path, name)
         with self._open_stream(path, "wb") as stream:
-            size, digest = start_views(stream, views, self.digest, hashed)
-        # Closed, and durable; the digest may still be running: :attr:`written` waits for it.
-        with self._lock:
-            self._pending[name] = (size, digest, keep)
+            size, digest = write_views(stream, views, self.digest)
+        self._record(name).update(size=size, **digest)  # closed, and durable
         future: TorchFuture[list[WriteResult]] = TorchFuture()
         future.set_result(results)
         return future
 
-    def _hashed_ahead(
-        self, keys: tuple[Any, ...], views: list[memoryview], keep: list[Any]
-    ) -> dict[int, Future[bytes]] | None:
-        """The tree leaves the stager of these tensors hashed as it staged them (when the
-        file is laid out as its plan says), and a new plan for it when it is not."""
-        if self.digest != SHA256_TREE:
-            return None
-        stager = owner_of((key[1], key[2]) for key in keys if key[0] == "tensor" and key[2])
-        if stager is None:
-            return None
-        plan = stager.leaf_plan
-        hashed = plan.take(keys) if plan is not None else None
-        if hashed is None:
-            stager.leaf_plan = LeafPlan(keys, views, list(keep))
-        return hashed
 
-
-def _item_views(
-    item: WriteItem, data: Any, keep: list[Any], keys: list[tuple[Any, ...]]
-) -> list[memoryview]:
-    """The byte views that make up one item's record (``keep`` receives their owners,
-    ``keys`` what they are: ``("tensor", address, nbytes)`` of a tensor's memory,
-    ``("bytes", id, nbytes)`` of immutable framing bytes, ``("other", nbytes)``)."""
+def _item_views(item: WriteItem, data: Any, keep: list[Any]) -> list[memoryview]:
+    """The byte views that make up one item's record (``keep`` receives their owners)."""
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
             raise CheckpointError(
@@ -278,20 +228,11 @@ def _item_views(
                 f"{type(data).__name__}, not bytes; it cannot be written."
             )
         keep.append(data)
-        view = data.getbuffer()
-        keys.append(("other", view.nbytes))
-        return [view]
+        return [data.getbuffer()]
     tensor = _cpu_contiguous(data)
     keep.append(tensor)
     framing = frame(tensor.dtype, tuple(tensor.shape))
-    keep.append(framing)
-    memory = byte_view(tensor)
-    keys += [
-        ("bytes", id(framing.head), len(framing.head)),
-        ("tensor", tensor.data_ptr(), memory.nbytes),
-        ("bytes", id(framing.tail), len(framing.tail)),
-    ]
-    return [memoryview(framing.head), memory, memoryview(framing.tail)]
+    return [memoryview(framing.head), byte_view(tensor), memoryview(framing.tail)]
 
 
 def _cpu_contiguous(data: Any) -> torch.Tensor:
@@ -322,31 +263,13 @@ def _chunks(views: Sequence[memoryview]) -> Iterator[memoryview]:
 
 
 def write_views(
-    stream: Any,
-    views: Sequence[memoryview],
-    kind: str = CRC32,
-    hashed: dict[int, Future[bytes]] | None = None,
+    stream: Any, views: Sequence[memoryview], kind: str = CRC32
 ) -> tuple[int, dict[str, str]]:
     """Write ``views`` one after another to ``stream`` and make them durable; return the
-    total size and the digest of it all (``{kind: hex}``): :func:`start_views`, then
-    wait for its digest."""
-    size, digest = start_views(stream, views, kind, hashed)
-    return size, digest.result()
+    total size and the digest of it all (``{kind: hex}``).
 
-
-def start_views(
-    stream: Any,
-    views: Sequence[memoryview],
-    kind: str = CRC32,
-    hashed: dict[int, Future[bytes]] | None = None,
-) -> tuple[int, Future[dict[str, str]]]:
-    """Write ``views`` one after another to ``stream`` and make them durable; return the
-    total size and the digest of it all (``{kind: hex}``) as a future, which may finish
-    after this returns (``views`` must stay alive and unchanged until it has). ``hashed``:
-    SHA-256 tree leaves of these bytes hashed ahead (:class:`~elastic.checkpoint.digest.LeafPlan`).
-
-    The digest runs in other threads over the same memory while this one writes
-    (they all release the GIL). With a file descriptor the bytes go through
+    The digest runs in a second thread over the same memory while this one writes
+    (both release the GIL). With a file descriptor the bytes go through
     ``os.write``, write-back to the disk starts behind the writes, and one fsync
     ends it; without one (remote stores) through ``stream.write``, and the
     store makes them durable when the stream closes.
@@ -355,7 +278,7 @@ def start_views(
 
     def checksum() -> None:
         try:
-            digest = FileDigest(kind, hashed)
+            digest = FileDigest(kind)
             for chunk in _chunks(views):
                 digest.update(chunk)
             digest_result.set_result(digest.record())
@@ -366,10 +289,9 @@ def start_views(
     checksummer.start()
     try:
         size = _write_chunks(stream, views)
-    except BaseException:
-        checksummer.join()  # the views' owner may free them once this raises
-        raise
-    return size, digest_result
+    finally:
+        checksummer.join()
+    return size, digest_result.result()
 
 
 def _write_chunks(stream: Any, views: Sequence[memoryview]) -> int:
@@ -801,7 +723,6 @@ __all__ = [
     "make_reader",
     "metadata_problem",
     "probe_writable",
-    "start_views",
     "store_loaded",
     "write_atomically",
     "write_durably",
