@@ -65,6 +65,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic import env, events, metrics, nodelocal, reform
 from elastic.agent import warm
@@ -238,6 +239,11 @@ class NodeAgent(LocalElasticAgent):
             return
         for reg in self._registrations():
             if reg.want_round:
+                if handler.is_closed():  # no round will form: end as torch's restart would
+                    raise RendezvousClosedError(
+                        "A worker's step failed on a lost peer and the rendezvous is closed "
+                        "(the job finished or was stopped on another node); this node stops."
+                    )
                 logger.info("A worker's step failed with no new round; forming one.")
                 self._asked_round = current
                 handler.request_reform()
