@@ -416,16 +416,21 @@ def _assert_rank_consistency(
             assert ranks == list(range(ranks[0], ranks[-1] + 1))
 
 
-@pytest.mark.slow
-def test_double_agent_fault_tolerance(agents: Agents) -> None:
-    """Two agents; the second is killed at once and started again: both finish with 0."""
-    kwargs = {
+def _two_agents(min_nodes: int) -> dict[str, Any]:
+    """upstream's double-agent job: dist_sum on 2 local workers, up to 2 nodes, 2 restarts."""
+    return {
         "conf": Conf(entrypoint=dist_sum, args=(2,), local_world_size=2),
         "agent_results": mp.get_context("fork").Queue(),
-        "min_nodes": 2,
+        "min_nodes": min_nodes,
         "max_nodes": 2,
         "max_restarts": 2,
     }
+
+
+@pytest.mark.slow
+def test_double_agent_fault_tolerance(agents: Agents) -> None:
+    """Two agents; the second is killed at once and started again: both finish with 0."""
+    kwargs = _two_agents(min_nodes=2)
     procs = [agents.start(kwargs) for _ in range(2)]
     procs[1].kill()
     procs[1].join(30)
@@ -438,13 +443,7 @@ def test_double_agent_fault_tolerance(agents: Agents) -> None:
 @pytest.mark.slow
 def test_double_agent_elastic(agents: Agents) -> None:
     """Two agents (min 1, max 2); the second is killed: the first finishes alone."""
-    kwargs = {
-        "conf": Conf(entrypoint=dist_sum, args=(2,), local_world_size=2),
-        "agent_results": mp.get_context("fork").Queue(),
-        "min_nodes": 1,
-        "max_nodes": 2,
-        "max_restarts": 2,
-    }
+    kwargs = _two_agents(min_nodes=1)
     procs = [agents.start(kwargs) for _ in range(2)]
     procs[1].kill()
     procs[0].join(150)

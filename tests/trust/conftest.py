@@ -85,3 +85,15 @@ def worker(
         cwd=REPO,
         check=False,
     )
+
+
+@pytest.fixture
+def job_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The job's secret file, as every node of the job shares it, and the event log beside it
+    (``events.jsonl``), both set for the processes and handlers this test starts."""
+    path = tmp_path / "secret"
+    path.write_text("the-job-secret-0123456789abcdef")
+    path.chmod(0o600)
+    monkeypatch.setenv(env.SECRET_FILE, str(path))
+    monkeypatch.setenv(env.EVENT_LOG, str(tmp_path / "events.jsonl"))
+    return path

@@ -32,14 +32,9 @@ from tests.rendezvous.test_announce import Nodes, join_all, pause
 
 
 @pytest.fixture
-def secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
-    """The job's secret file, as every node of the job would share it."""
-    path = tmp_path / "secret"
-    path.write_text("the-job-secret-0123456789abcdef")
-    path.chmod(0o600)
-    monkeypatch.setenv(env.SECRET_FILE, str(path))
-    monkeypatch.setenv(env.EVENT_LOG, str(tmp_path / "events.jsonl"))
-    return path.read_bytes().strip()
+def secret(job_secret: Path) -> bytes:
+    """The job's secret, as every node of the job would share it."""
+    return job_secret.read_bytes().strip()
 
 
 @pytest.fixture

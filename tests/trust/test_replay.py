@@ -19,10 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic import env
 from elastic.etcd.client import EtcdClient, KeyValue
 from elastic.etcd.server import EtcdServer
-from elastic.rendezvous.announce.handler import AnnounceRendezvousHandler
 from elastic.rendezvous.announce.records import (
     NO_ROUND,
     Announcement,
@@ -32,21 +30,15 @@ from elastic.rendezvous.announce.records import (
     decode_round,
 )
 from elastic.rendezvous.announce.state import NodeState
-from elastic.rendezvous.keys import RunKeys
 from tests.helpers import wait_until
 from tests.rendezvous.test_announce import Nodes, join_all, pause
+from tests.trust.test_membership_trust import keys_of
 
 
 @pytest.fixture
-def events_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The job's secret file (shared by every node) and its event log."""
-    path = tmp_path / "secret"
-    path.write_text("the-job-secret-0123456789abcdef")
-    path.chmod(0o600)
-    monkeypatch.setenv(env.SECRET_FILE, str(path))
-    log = tmp_path / "events.jsonl"
-    monkeypatch.setenv(env.EVENT_LOG, str(log))
-    return log
+def events_log(job_secret: Path) -> Path:
+    """The event log of a job with a secret (the secret file is beside it)."""
+    return job_secret.parent / "events.jsonl"
 
 
 @pytest.fixture
@@ -54,10 +46,6 @@ def run(etcd: EtcdServer, run_id: str, events_log: Path) -> Iterator[Nodes]:
     nodes = Nodes(etcd, run_id, "2:3")
     yield nodes
     nodes.close()
-
-
-def keys_of(h: AnnounceRendezvousHandler) -> RunKeys:
-    return h._keys
 
 
 def untrusted(log: Path) -> set[str]:
