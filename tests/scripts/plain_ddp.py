@@ -90,9 +90,14 @@ def main() -> int:
         print(f"rank {rank} step {step}", flush=True)
         if args.step_delay:
             time.sleep(args.step_delay)
-    dist.destroy_process_group()
+    # every rank is done, then leave without gloo's teardown: a rank whose peer already
+    # exited can abort (SIGABRT) in it, which hid rank 0's exit code in one CI run
+    dist.barrier()
     return args.exit_code if rank == 0 else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
