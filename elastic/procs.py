@@ -67,11 +67,7 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return state(pid) not in ("", "Z")
 
 
 def state(pid: int) -> str:
