@@ -20,7 +20,10 @@ Plain scripts. A user's Python script (``elastic-agent ... train.py ARGS`` or ``
 a plain torchrun-style DDP script) forks from the same server:
 :class:`PlainScript` is the entrypoint, and the forked child makes itself the process that
 ``python -u train.py ARGS`` (torchrun's command) would have been before it runs the script
-in a fresh ``__main__`` (``-m``: :func:`runpy._run_module_as_main`, as ``python -m`` does):
+in a fresh ``__main__`` (``-m``: :func:`runpy._run_module_as_main`, as ``python -m`` does).
+A script on ``elastic.Run`` starts the same way (its first start, a joining node's worker,
+a restart after a failed in-place re-form); its in-place re-forms then keep that process.
+The forked child becomes what a fresh process would have been:
 
 * environment: exactly the agent's ``os.environ`` at the start (sent with each start)
   plus torch's worker variables (RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_*, ours),
@@ -43,9 +46,7 @@ Python) or ``--run-path``; ``$PYTHON_EXEC`` names another interpreter; the agent
 interpreter options a fresh ``python -u`` would not have (``-X``, ``-O``, ``-W``, ``-I`` ...);
 the script is not a Python source file (a directory, a zip, a .pyc) or its module is not
 found; the script touches ``os.environ``/``putenv`` before its first import of torch (it
-means to steer torch's import, which the server already made); the script imports
-``elastic`` (on ``elastic.Run``: its in-place hand-over is not yet verified with forked
-workers, so these stay cold for now); at each start, the agent's
+means to steer torch's import, which the server already made); at each start, the agent's
 environment differs from the one the server started with (``TORCHELASTIC_*`` and the
 inductor cache dir aside: torch's agent sets them, torch reads them at run time); the
 server has more than one thread, or has loaded the CUDA driver or opened a GPU device (a
@@ -171,10 +172,10 @@ _IGNORED_AT_START = (signal.SIGPIPE, signal.SIGXFSZ)
 
 def note_cold(reason: str) -> None:
     """Log once per reason that workers start cold (fresh processes): at INFO when that is
-    asked for (``ELASTIC_WARM_START=0``) or expected (a script on ``elastic.Run``)."""
+    asked for (``ELASTIC_WARM_START=0``)."""
     if reason not in _told:
         _told.add(reason)
-        expected = reason.startswith(f"${env.WARM_START}") or "imports elastic" in reason
+        expected = reason.startswith(f"${env.WARM_START}")
         level = logging.INFO if expected else logging.WARNING
         logger.log(level, "Starting the workers cold (fresh processes): %s", reason)
 
@@ -246,26 +247,6 @@ def _sets_env_before_torch(source: str) -> bool:
     return False
 
 
-def _imports_elastic(source: str) -> bool:
-    """Whether the script imports this package anywhere (a script on ``elastic.Run``)."""
-    try:
-        tree = ast.parse(Path(source).read_bytes())
-    except (OSError, SyntaxError, ValueError):
-        return True
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import) and any(
-            a.name.split(".")[0] == "elastic" for a in node.names
-        ):
-            return True
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.level == 0
-            and (node.module or "").split(".")[0] == "elastic"
-        ):
-            return True
-    return False
-
-
 def cold_reason(target: str, module: bool, no_python: bool, run_path: bool) -> str | None:
     """Why a user's script must start cold (once, at the agent's start), or None."""
     if not enabled():
@@ -282,11 +263,6 @@ def cold_reason(target: str, module: bool, no_python: bool, run_path: bool) -> s
         return why
     if _sets_env_before_torch(source):
         return f"{source} sets environment variables before it imports torch."
-    if _imports_elastic(source):
-        return (
-            f"{source} imports elastic (elastic.Run): its in-place re-forms are not yet "
-            "verified with forked workers."
-        )
     fresh = _fresh_flags(executable)
     if fresh != _own_flags():
         return (

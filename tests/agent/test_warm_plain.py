@@ -160,8 +160,7 @@ def test_cold_reasons_name_what_is_unsafe(tmp_path: Path) -> None:
     assert reason is not None and "no_such_module_here" in reason
     on_run = tmp_path / "on_run.py"
     on_run.write_text("import torch\n\ndef main():\n    from elastic import Run\n")
-    reason = warm.cold_reason(str(on_run), False, False, False)
-    assert reason is not None and "imports elastic" in reason
+    assert warm.cold_reason(str(on_run), False, False, False) is None  # Run scripts too
     reason = warm.cold_reason(str(fine), False, True, False)
     assert reason is not None and "--no-python" in reason
 
