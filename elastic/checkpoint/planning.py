@@ -1,0 +1,848 @@
+"""DCP's save and load drivers without pickles between ranks.
+
+torch's ``dcp.save`` and ``dcp.load`` move the save and load plans, the write results,
+the global metadata and every rank's exceptions between ranks with ``gather_object``,
+``scatter_object``, ``broadcast_object_list`` and ``all_gather_object``: pickles, so any
+member of the checkpoint group could run code in rank 0 (and rank 0 in everyone).
+:func:`save` and :func:`load` make the same planner and storage calls in the same order
+as torch 2.14's ``_save_state_dict`` and ``_load_state_dict`` (the coordinator is group
+rank 0), but every value that crosses ranks is JSON from a restricted codec, sent with
+the checkpoint manager's bounded ``all_gather_json`` / ``broadcast_json``:
+
+* :func:`encode` / :func:`decode` know exactly the planning types of torch 2.14
+  (:data:`CLASSES`: plans, their items, indices, chunk and tensor properties, write
+  results, the filesystem writer's storage records, enums, ``torch.Size``, dtypes,
+  layouts, memory formats) and plain values; tuples stay tuples, dicts travel as
+  key/value pairs (keys of any allowed type). Anything else, a wrong number of fields,
+  a value of the wrong type, an integer outside int64, nesting deeper than
+  :data:`MAX_DEPTH` is a :class:`~elastic.errors.CheckpointError` in one sentence;
+  a message is at most the manager's ``MAX_WIRE`` (8 MiB) per rank. ResNet-18's
+  save plan is about 40 KB, so the cap fits models with some 20k tensors.
+* A failure on one rank (planning, writing, reading, or a message it sent that does not
+  decode) travels as a string to the coordinator, whose verdict every rank receives: all
+  ranks raise the same :class:`~elastic.errors.CheckpointError`, none hangs. A rank
+  decodes its own part of the coordinator's reply inside its next step, so a bad reply
+  fails that step, which is again gathered.
+* The global metadata stays on the coordinator (torch broadcasts it): :func:`save`
+  returns it there and ``None`` elsewhere.
+* Loading plans locally: DCP's default load planner and the filesystem readers leave
+  the global plan as the ranks' own plans (``create_default_global_load_plan`` returns
+  them, ``prepare_global_plan`` too), and every rank reads the global ``.metadata`` that
+  names every rank's files, so each rank plans and reads by itself and one all-gather of
+  the outcome follows. Any other planner or reader gets torch's exchange, through the
+  codec.
+
+Nothing here changes the files: they are torch's DCP format as the storage writer
+writes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import logging
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import (  # private in torch 2.14
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from elastic.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_DEPTH = 32  # nesting of one encoded value (a plan is 6 deep, planner_data a few more)
+MAX_DIMS = 64  # dimensions of a torch.Size (torch's own limit for a tensor's dims)
+MAX_ERROR = 2000  # characters of one rank's error that travel
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+# -- the codec -----------------------------------------------------------------------------
+
+Check = Callable[[Any], bool]
+
+
+def _is(*types: type) -> Check:
+    return lambda value: type(value) in types
+
+
+def _optional(check: Check) -> Check:
+    return lambda value: value is None or check(value)
+
+
+def _list_of(check: Check) -> Check:
+    return lambda value: type(value) is list and all(check(v) for v in value)
+
+
+def _sequence_of(check: Check) -> Check:
+    return lambda value: type(value) in (list, tuple) and all(check(v) for v in value)
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+_str = _is(str)
+_bool = _is(bool)
+_int = _is(int)
+_size = _is(torch.Size)
+_natural: Check = lambda value: type(value) is int and value >= 0  # noqa: E731
+
+
+@dataclasses.dataclass(frozen=True)
+class _Class:
+    """How one allowed class travels: its fields, in order, each with its check."""
+
+    cls: type
+    fields: tuple[tuple[str, Check], ...]
+
+
+def _spec(cls: type, **fields: Check) -> _Class:
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    if names != tuple(fields):  # a torch release changed the class: fail at import
+        raise ImportError(f"{cls.__qualname__} has the fields {names}, not {tuple(fields)}")
+    return _Class(cls, tuple(fields.items()))
+
+
+_index = _is(MetadataIndex)
+_SPECS = [
+    _spec(MetadataIndex, fqn=_str, offset=_optional(_size), index=_optional(_natural)),
+    _spec(ChunkStorageMetadata, offsets=_size, sizes=_size),
+    _spec(
+        TensorProperties,
+        dtype=_is(torch.dtype),
+        layout=_is(torch.layout),
+        requires_grad=_bool,
+        memory_format=_is(torch.memory_format),
+        pin_memory=_bool,
+    ),
+    _spec(
+        TensorWriteData,
+        chunk=_is(ChunkStorageMetadata),
+        properties=_is(TensorProperties),
+        size=_size,
+    ),
+    _spec(
+        WriteItem,
+        index=_index,
+        type=_is(WriteItemType),
+        bytes_io_data=_optional(_is(BytesIOWriteData)),
+        tensor_data=_optional(_is(TensorWriteData)),
+    ),
+    _spec(
+        SavePlan, items=_list_of(_is(WriteItem)), storage_data=_any, planner_data=_any, usable=_bool
+    ),
+    _spec(
+        ReadItem,
+        type=_is(LoadItemType),
+        dest_index=_index,
+        dest_offsets=_size,
+        storage_index=_index,
+        storage_offsets=_size,
+        lengths=_size,
+    ),
+    _spec(LoadPlan, items=_list_of(_is(ReadItem)), storage_data=_any, planner_data=_any),
+    _spec(WriteResult, index=_index, size_in_bytes=_natural, storage_data=_any),
+    _spec(
+        _StorageInfo,
+        relative_path=_str,
+        offset=_natural,
+        length=_natural,
+        transform_descriptors=_optional(_sequence_of(_str)),
+    ),
+    _spec(_StoragePrefix, prefix=_str),
+    _spec(BytesIOWriteData, nbytes=_natural),
+]
+
+_ENUMS: tuple[type[enum.Enum], ...] = (WriteItemType, LoadItemType)
+
+
+def _named(kind: type) -> dict[str, Any]:
+    """torch's values of ``kind`` (dtype, layout, memory_format) by their name."""
+    found = (getattr(torch, name, None) for name in dir(torch))
+    return {str(v).removeprefix("torch."): v for v in found if isinstance(v, kind)}
+
+
+# Tag -> how to build it. Every other tag, hence every other class, is refused.
+_BY_TAG: dict[str, _Class] = {spec.cls.__name__: spec for spec in _SPECS}
+_BY_TYPE: dict[type, _Class] = {spec.cls: spec for spec in _SPECS}
+_ENUM_BY_TAG: dict[str, type[enum.Enum]] = {e.__name__: e for e in _ENUMS}
+_VALUES: dict[str, dict[str, Any]] = {
+    "dtype": _named(torch.dtype),
+    "layout": _named(torch.layout),
+    "memory_format": _named(torch.memory_format),
+}
+_VALUE_TYPES: dict[type, str] = {
+    torch.dtype: "dtype",
+    torch.layout: "layout",
+    torch.memory_format: "memory_format",
+}
+# The allowed classes, by the tag they travel under (for the record and the tests).
+CLASSES: dict[str, type] = {
+    **{tag: spec.cls for tag, spec in _BY_TAG.items()},
+    **_ENUM_BY_TAG,
+    "Size": torch.Size,
+    "tuple": tuple,
+    "list": list,
+    "dict": dict,
+    "dtype": torch.dtype,
+    "layout": torch.layout,
+    "memory_format": torch.memory_format,
+}
+_CONTAINERS = {"tuple", "list", "dict", "Size"}
+
+
+def encode(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON-encodable data that :func:`decode` turns back into an equal value.
+
+    Scalars (``None``, bools, int64 integers, finite floats, strings) stay as they are;
+    anything else becomes a list whose first element names its type (:data:`CLASSES`).
+
+    Raises:
+        CheckpointError: ``value`` holds something outside :data:`CLASSES`, an integer
+            outside int64, a non-finite float, or nests deeper than :data:`MAX_DEPTH`.
+    """
+    if depth > MAX_DEPTH:
+        raise CheckpointError(
+            f"A checkpoint planning value nests deeper than {MAX_DEPTH} levels; it is not sent."
+        )
+    kind = type(value)
+    if value is None or kind is str or kind is bool:
+        return value
+    if kind is int:
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise CheckpointError(
+                f"The checkpoint planning integer {value} does not fit in 64 bits; it is not sent."
+            )
+        return value
+    if kind is float:
+        if not math.isfinite(value):
+            raise CheckpointError(
+                f"The checkpoint planning number {value} is not finite; it is not sent."
+            )
+        return value
+    d = depth + 1
+    if kind is torch.Size:
+        return ["Size", *(encode(v, d) for v in value)]
+    if kind is tuple:
+        return ["tuple", *(encode(v, d) for v in value)]
+    if kind is list:
+        return ["list", *(encode(v, d) for v in value)]
+    if kind is dict:
+        out: list[Any] = ["dict"]
+        for key, item in value.items():
+            out += (encode(key, d), encode(item, d))
+        return out
+    compact = _COMPACT_BY_TYPE.get(kind)
+    if compact is not None:
+        return compact[1](value, d)
+    spec = _BY_TYPE.get(kind)
+    if spec is not None:
+        return [kind.__name__, *(encode(getattr(value, name), d) for name, _ in spec.fields)]
+    if kind in _ENUMS:
+        return [kind.__name__, value.name]
+    if kind in _VALUE_TYPES:
+        return [_VALUE_TYPES[kind], str(value).removeprefix("torch.")]
+    raise _unsendable(kind)
+
+
+def _unsendable(kind: type) -> CheckpointError:
+    return CheckpointError(
+        f"A checkpoint planning value holds a {kind.__module__}.{kind.__qualname__} (or one "
+        "of its fields is of a type outside the few the ranks may exchange); it is not sent."
+    )
+
+
+def decode(data: Any, sender: str = "a rank", depth: int = 0) -> Any:
+    """The value that :func:`encode` made ``data`` from, built only from :data:`CLASSES`.
+
+    Raises:
+        CheckpointError: ``data`` names another type, has the wrong fields or values of
+            the wrong types, or nests deeper than :data:`MAX_DEPTH` (one sentence naming
+            ``sender``).
+    """
+    if depth > MAX_DEPTH:
+        raise _refused(sender, f"nests deeper than {MAX_DEPTH} levels")
+    kind = type(data)
+    if data is None or kind is str or kind is bool:
+        return data
+    if kind is int:
+        if not _INT64[0] <= data <= _INT64[1]:
+            raise _refused(sender, f"holds the integer {data}, which does not fit in 64 bits")
+        return data
+    if kind is float:
+        if not math.isfinite(data):
+            raise _refused(sender, f"holds the number {data}, which is not finite")
+        return data
+    if kind is not list or not data or type(data[0]) is not str:
+        raise _refused(sender, f"holds {_shown(data)}, which is no encoded value")
+    tag, rest = data[0], data[1:]
+    d = depth + 1
+    if tag in _CONTAINERS:
+        values = [decode(v, sender, d) for v in rest]
+        return _container(tag, values, sender)
+    compact = _COMPACT.get(tag)
+    if compact is not None:
+        if len(rest) != compact[0]:
+            raise _refused(sender, f"gives {tag} {len(rest)} fields, where it has {compact[0]}")
+        try:
+            return compact[2](rest, sender, d)
+        except (TypeError, ValueError, KeyError) as exc:  # a value of the wrong kind
+            raise _refused(sender, f"holds a {tag} with a wrong field ({_shown(exc)})") from exc
+    spec = _BY_TAG.get(tag)
+    if spec is not None:
+        if len(rest) != len(spec.fields):
+            raise _refused(
+                sender, f"gives {tag} {len(rest)} fields, where it has {len(spec.fields)}"
+            )
+        fields: dict[str, Any] = {}
+        for (name, check), item in zip(spec.fields, rest, strict=True):
+            value = decode(item, sender, d)
+            if not check(value):
+                raise _refused(sender, f"gives {tag}.{name} the value {_shown(value)}")
+            fields[name] = value
+        try:
+            return spec.cls(**fields)
+        except (TypeError, ValueError) as exc:  # a constructor's own check
+            raise _refused(sender, f"holds a {tag} that cannot be built ({exc})") from exc
+    if tag in _ENUM_BY_TAG or tag in _VALUES:
+        names: Any = _ENUM_BY_TAG[tag].__members__ if tag in _ENUM_BY_TAG else _VALUES[tag]
+        if len(rest) != 1 or type(rest[0]) is not str or rest[0] not in names:
+            raise _refused(sender, f"names the unknown {tag} {_shown(rest)}")
+        return names[rest[0]]
+    raise _refused(sender, f"names the type {_shown(tag)}, which the ranks may not exchange")
+
+
+def _container(tag: str, values: list[Any], sender: str) -> Any:
+    if tag == "list":
+        return values
+    if tag == "tuple":
+        return tuple(values)
+    if tag == "Size":
+        if len(values) > MAX_DIMS or not all(_natural(v) for v in values):
+            raise _refused(sender, f"holds the tensor shape {_shown(values)}")
+        return torch.Size(values)
+    if len(values) % 2:
+        raise _refused(sender, "holds a dict with a key but no value")
+    out: dict[Any, Any] = {}
+    for key, value in zip(values[::2], values[1::2], strict=True):
+        try:
+            out[key] = value
+        except TypeError as exc:  # an unhashable key
+            raise _refused(sender, f"holds a dict keyed by {_shown(key)}") from exc
+    return out
+
+
+# -- compact forms of the classes a plan holds hundreds of (tags, fields in place, shapes as
+# plain lists of integers): 5x faster than the generic form, with the same checks.
+
+
+def _shape(value: Any) -> torch.Size:
+    if (
+        type(value) is not list
+        or len(value) > MAX_DIMS
+        or not all(type(v) is int and 0 <= v <= _INT64[1] for v in value)
+    ):
+        raise ValueError(f"{_shown(value)} is no tensor shape")
+    return torch.Size(value)
+
+
+def _text(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{_shown(value)} is no string")
+    return value
+
+
+def _count(value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= _INT64[1]:
+        raise ValueError(f"{_shown(value)} is no count")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{_shown(value)} is no bool")
+    return value
+
+
+def _name(table: Mapping[str, Any], value: Any) -> Any:
+    if type(value) is not str or value not in table:
+        raise ValueError(f"{_shown(value)} is no known name")
+    return table[value]
+
+
+def _index_out(index: MetadataIndex) -> list[Any]:
+    offset = index.offset
+    return [index.fqn, None if offset is None else list(offset), index.index]
+
+
+def _index_in(value: Any) -> MetadataIndex:
+    if type(value) is not list or len(value) != 3:
+        raise ValueError(f"{_shown(value)} is no metadata index")
+    fqn, offset, hint = value
+    return MetadataIndex(
+        _text(fqn),
+        None if offset is None else _shape(offset),
+        None if hint is None else _count(hint),
+    )
+
+
+_DTYPES, _LAYOUTS, _FORMATS = (_named(t) for t in (torch.dtype, torch.layout, torch.memory_format))
+_WRITE_TYPES = WriteItemType.__members__
+_LOAD_TYPES = LoadItemType.__members__
+
+
+def _name_of(value: Any) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def _write_item_out(item: WriteItem, depth: int) -> list[Any]:
+    data = item.tensor_data
+    tensor: list[Any] | None = None
+    if data is not None:
+        if type(data) is not TensorWriteData or type(data.chunk) is not ChunkStorageMetadata:
+            raise _unsendable(WriteItem)
+        p = data.properties
+        if type(p) is not TensorProperties:
+            raise _unsendable(WriteItem)
+        tensor = [
+            list(data.chunk.offsets),
+            list(data.chunk.sizes),
+            _name_of(p.dtype),
+            _name_of(p.layout),
+            p.requires_grad,
+            _name_of(p.memory_format),
+            p.pin_memory,
+            list(data.size),
+        ]
+    if type(item.index) is not MetadataIndex or type(item.type) is not WriteItemType:
+        raise _unsendable(WriteItem)
+    bio = item.bytes_io_data
+    return [
+        "WriteItem",
+        *_index_out(item.index),
+        item.type.name,
+        encode(bio, depth),
+        tensor,
+    ]
+
+
+def _write_item_in(rest: list[Any], sender: str, depth: int) -> WriteItem:
+    fqn, offset, hint, kind, bio, tensor = rest
+    data = None
+    if tensor is not None:
+        if type(tensor) is not list or len(tensor) != 8:
+            raise ValueError(f"{_shown(tensor)} is no tensor's write data")
+        offsets, sizes, dtype, layout, grad, fmt, pinned, size = tensor
+        data = TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=_shape(offsets), sizes=_shape(sizes)),
+            properties=TensorProperties(
+                dtype=_name(_DTYPES, dtype),
+                layout=_name(_LAYOUTS, layout),
+                requires_grad=_flag(grad),
+                memory_format=_name(_FORMATS, fmt),
+                pin_memory=_flag(pinned),
+            ),
+            size=_shape(size),
+        )
+    bytes_io = decode(bio, sender, depth)
+    if bytes_io is not None and type(bytes_io) is not BytesIOWriteData:
+        raise ValueError(f"{_shown(bytes_io)} is no BytesIOWriteData")
+    return WriteItem(
+        index=_index_in([fqn, offset, hint]),
+        type=_name(_WRITE_TYPES, kind),
+        bytes_io_data=bytes_io,
+        tensor_data=data,
+    )
+
+
+def _read_item_out(item: ReadItem, depth: int) -> list[Any]:
+    if (
+        type(item.type) is not LoadItemType
+        or type(item.dest_index) is not MetadataIndex
+        or type(item.storage_index) is not MetadataIndex
+    ):
+        raise _unsendable(ReadItem)
+    return [
+        "ReadItem",
+        item.type.name,
+        _index_out(item.dest_index),
+        list(item.dest_offsets),
+        _index_out(item.storage_index),
+        list(item.storage_offsets),
+        list(item.lengths),
+    ]
+
+
+def _read_item_in(rest: list[Any], sender: str, depth: int) -> ReadItem:
+    kind, dest, dest_offsets, storage, storage_offsets, lengths = rest
+    return ReadItem(
+        type=_name(_LOAD_TYPES, kind),
+        dest_index=_index_in(dest),
+        dest_offsets=_shape(dest_offsets),
+        storage_index=_index_in(storage),
+        storage_offsets=_shape(storage_offsets),
+        lengths=_shape(lengths),
+    )
+
+
+def _index_item_out(index: MetadataIndex, depth: int) -> list[Any]:
+    return ["MetadataIndex", *_index_out(index)]
+
+
+def _index_item_in(rest: list[Any], sender: str, depth: int) -> MetadataIndex:
+    return _index_in(rest)
+
+
+def _result_out(result: WriteResult, depth: int) -> list[Any]:
+    if type(result.index) is not MetadataIndex:
+        raise _unsendable(WriteResult)
+    info = result.storage_data
+    if type(info) is _StorageInfo and info.transform_descriptors is None:
+        where: Any = [info.relative_path, info.offset, info.length]
+    else:
+        where = encode(info, depth)
+    return ["WriteResult", _index_out(result.index), result.size_in_bytes, where]
+
+
+def _result_in(rest: list[Any], sender: str, depth: int) -> WriteResult:
+    index, size, where = rest
+    if type(where) is list and len(where) == 3 and type(where[0]) is str and where[0] != "list":
+        info: Any = _StorageInfo(_text(where[0]), _count(where[1]), _count(where[2]))
+    else:
+        info = decode(where, sender, depth)
+    return WriteResult(index=_index_in(index), size_in_bytes=_count(size), storage_data=info)
+
+
+# tag -> (number of fields, encoder, decoder)
+_COMPACT: dict[str, tuple[int, Callable[..., list[Any]], Callable[..., Any]]] = {
+    "WriteItem": (6, _write_item_out, _write_item_in),
+    "ReadItem": (6, _read_item_out, _read_item_in),
+    "MetadataIndex": (3, _index_item_out, _index_item_in),
+    "WriteResult": (3, _result_out, _result_in),
+}
+_COMPACT_BY_TYPE = {
+    WriteItem: _COMPACT["WriteItem"],
+    ReadItem: _COMPACT["ReadItem"],
+    MetadataIndex: _COMPACT["MetadataIndex"],
+    WriteResult: _COMPACT["WriteResult"],
+}
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+def _refused(sender: str, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"The checkpoint planning message from {sender} {problem}; it is refused: check that "
+        "every node runs the same version."
+    )
+
+
+def decode_as(cls: type[T], data: Any, sender: str = "a rank") -> T:
+    """:func:`decode`, and the value must be a ``cls``."""
+    value = decode(data, sender)
+    if type(value) is not cls:
+        raise _refused(sender, f"holds a {type(value).__name__} where a {cls.__name__} belongs")
+    return value
+
+
+def decode_list(cls: type[T], data: Any, sender: str = "a rank") -> list[T]:
+    """:func:`decode`, and the value must be a list of ``cls``."""
+    value = decode(data, sender)
+    if type(value) is not list or not all(type(v) is cls for v in value):
+        raise _refused(sender, f"holds {_shown(value)} where a list of {cls.__name__} belongs")
+    return value
+
+
+# -- the ranks ------------------------------------------------------------------------------
+
+
+def _envelope(value: Any, sender: str) -> dict[str, Any]:
+    """One rank's step outcome: ``{"ok": payload}`` or ``{"error": "one line"}``."""
+    if type(value) is dict and len(value) == 1:
+        if "ok" in value:
+            return value
+        error = value.get("error")
+        if type(error) is str and len(error) <= MAX_ERROR + 100:
+            return value
+    raise _refused(sender, f"holds {_shown(value)}, which is no step outcome")
+
+
+def _describe(exc: BaseException) -> str:
+    """One line naming the error (DCP's own exception: its first rank's)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        _, (inner, _) = sorted(exc.failures.items())[0]
+        exc = inner
+    text = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
+    return text[:MAX_ERROR]
+
+
+def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    try:
+        return {"ok": fn()}
+    except (Exception, CheckpointException) as exc:  # every rank learns of it
+        logger.debug("A checkpoint step failed on this rank.", exc_info=True)
+        return {"error": _describe(exc)}
+
+
+class _Ranks:
+    """The checkpoint group: rank 0 coordinates; its messages are checked JSON."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.is_coordinator = self.rank == 0
+
+    def gather(self, outcome: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's outcome, in rank order (checked alike on every rank)."""
+        if not self.distributed:
+            return [_envelope(outcome, "rank 0")]
+        from elastic.checkpoint.manager import all_gather_json
+
+        return _translated(lambda: all_gather_json(outcome, _envelope, self.group))
+
+    def broadcast(self, verdict: dict[str, Any] | None) -> dict[str, Any]:
+        """The coordinator's verdict on every rank (checked alike on every rank)."""
+        if not self.distributed:
+            return _envelope(verdict, "rank 0")
+        from elastic.checkpoint.manager import broadcast_json
+
+        return _translated(lambda: broadcast_json(verdict, _envelope, self.group))
+
+    def reduce(
+        self,
+        what: str,
+        local: Callable[[], Any],
+        central: Callable[[list[Any]], Any],
+    ) -> Any:
+        """``local()`` on every rank (encoded JSON), ``central(all of them)`` on the
+        coordinator, its result (encoded JSON) on every rank; a failure anywhere raises
+        the same error on every rank."""
+        gathered = self.gather(_outcome(local))
+        verdict: dict[str, Any] | None = None
+        if self.is_coordinator:
+            failed = [(r, o["error"]) for r, o in enumerate(gathered) if "error" in o]
+            if failed:
+                verdict = {"error": _failures(failed)}
+            else:
+                verdict = _outcome(lambda: central([o["ok"] for o in gathered]))
+                if "error" in verdict:
+                    verdict = {"error": f"rank {self.rank}: {verdict['error']}"}
+        verdict = self.broadcast(verdict)
+        if "error" in verdict:
+            raise CheckpointError(
+                f"The checkpoint {what} failed ({verdict['error']}); every rank of the "
+                "group gives it up."
+            )
+        return verdict["ok"]
+
+    def agree(self, what: str, local: Callable[[], Any]) -> None:
+        """``local()`` on every rank; raises the same error everywhere if one failed."""
+
+        def run() -> None:
+            local()
+
+        gathered = self.gather(_outcome(run))
+        failed = [(r, o["error"]) for r, o in enumerate(gathered) if "error" in o]
+        if failed:
+            raise CheckpointError(
+                f"The checkpoint {what} failed ({_failures(failed)}); every rank of the "
+                "group gives it up."
+            )
+
+
+def _failures(failed: list[tuple[int, str]]) -> str:
+    rank, error = failed[0]
+    more = f", and on {len(failed) - 1} more rank(s)" if len(failed) > 1 else ""
+    return f"rank {rank}: {error}{more}"
+
+
+def _translated(fn: Callable[[], T]) -> T:
+    try:
+        return fn()
+    except RecursionError as exc:  # json.loads of hostile nesting: alike on every rank
+        raise CheckpointError(
+            "A checkpoint planning message nests too deeply to decode; it is refused: check "
+            "that every node runs the same version."
+        ) from exc
+
+
+def _part(data: Any, rank: int, world_size: int) -> Any:
+    """This rank's part of the coordinator's list of plans."""
+    if type(data) is not list or len(data) != world_size:
+        raise _refused("rank 0", f"holds {_shown(data)} where {world_size} plans belong")
+    return data[rank]
+
+
+def _stateful(value: Any) -> Any:
+    return value.state_dict() if isinstance(value, Stateful) else value
+
+
+# -- save ------------------------------------------------------------------------------------
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    storage_writer: StorageWriter,
+    planner: SavePlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Metadata | None:
+    """``dcp.save(state_dict, storage_writer=, planner=, process_group=)`` without pickles
+    between ranks; the same files.
+
+    Returns:
+        The checkpoint's global metadata on the coordinator (group rank 0), ``None`` on the
+        other ranks.
+
+    Raises:
+        CheckpointError: planning, writing or finishing failed on some rank, or a rank sent
+            a message that does not decode; the same error on every rank.
+    """
+    ranks = _Ranks(process_group)
+    state = {k: _stateful(v) for k, v in state_dict.items()}
+    plan_with = planner if planner is not None else DefaultSavePlanner()
+    metadata: Metadata | None = None
+
+    def local_step() -> Any:
+        storage_meta = storage_writer.storage_meta()
+        if "storage_meta" in inspect.signature(plan_with.set_up_planner).parameters:
+            plan_with.set_up_planner(
+                state_dict=state, storage_meta=storage_meta, is_coordinator=ranks.is_coordinator
+            )
+        else:
+            plan_with.set_up_planner(state, ranks.is_coordinator)  # type: ignore[arg-type]
+        if "kwargs" in inspect.signature(storage_writer.set_up_storage_writer).parameters:
+            storage_writer.set_up_storage_writer(
+                ranks.is_coordinator, rank=ranks.rank, use_collectives=True
+            )
+        else:
+            storage_writer.set_up_storage_writer(ranks.is_coordinator)
+        plan = storage_writer.prepare_local_plan(plan_with.create_local_plan())
+        return encode(plan)
+
+    def global_step(plans: list[Any]) -> Any:
+        nonlocal metadata
+        decoded = [decode_as(SavePlan, p, f"rank {r}") for r, p in enumerate(plans)]
+        central, metadata = plan_with.create_global_plan(decoded)
+        return [encode(p) for p in storage_writer.prepare_global_plan(central)]
+
+    mine = ranks.reduce("save's planning", local_step, global_step)
+
+    def write_step() -> Any:
+        plan = decode_as(SavePlan, _part(mine, ranks.rank, ranks.world_size), "rank 0")
+        writes = storage_writer.write_data(plan_with.finish_plan(plan), plan_with)
+        writes.wait()
+        return encode(writes.value())
+
+    def finish_step(results: list[Any]) -> None:
+        decoded = [decode_list(WriteResult, r, f"rank {i}") for i, r in enumerate(results)]
+        if metadata is None:
+            raise CheckpointError("The coordinator has no metadata to finish the save with.")
+        storage_writer.finish(metadata=metadata, results=decoded)
+
+    ranks.reduce("save's writing", write_step, finish_step)
+    return metadata if ranks.is_coordinator else None
+
+
+# -- load ------------------------------------------------------------------------------------
+
+
+def plans_locally(planner: LoadPlanner, reader: StorageReader) -> bool:
+    """Whether the global load plan is the ranks' own plans for ``planner`` and ``reader``
+    (DCP's default planner and filesystem readers: each rank may plan by itself)."""
+    return (
+        type(planner).create_global_plan is DefaultLoadPlanner.create_global_plan
+        and type(reader).prepare_global_plan is FileSystemReader.prepare_global_plan
+    )
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    storage_reader: StorageReader,
+    planner: LoadPlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """``dcp.load(state_dict, storage_reader=, planner=, process_group=)`` without pickles
+    between ranks: loads into ``state_dict`` in place.
+
+    Raises:
+        CheckpointError: reading or planning failed on some rank, or a rank sent a
+            message that does not decode; the same error on every rank.
+    """
+    ranks = _Ranks(process_group)
+    keys = sorted(state_dict)
+    state = {k: _stateful(state_dict[k]) for k in keys}
+    plan_with = planner if planner is not None else DefaultLoadPlanner()
+
+    def local_step() -> LoadPlan:
+        metadata = storage_reader.read_metadata()
+        plan_with.set_up_planner(state, metadata, ranks.is_coordinator)
+        if "kwargs" in inspect.signature(storage_reader.set_up_storage_reader).parameters:
+            storage_reader.set_up_storage_reader(
+                metadata, ranks.is_coordinator, rank=ranks.rank, use_collectives=True
+            )
+        else:
+            storage_reader.set_up_storage_reader(metadata, ranks.is_coordinator)
+        return storage_reader.prepare_local_plan(plan_with.create_local_plan())
+
+    def read(plan: LoadPlan) -> None:
+        storage_reader.read_data(plan_with.finish_plan(plan), plan_with).wait()
+
+    if plans_locally(plan_with, storage_reader):
+        ranks.agree("load", lambda: read(local_step()))
+    else:
+
+        def global_step(plans: list[Any]) -> Any:
+            decoded = [decode_as(LoadPlan, p, f"rank {r}") for r, p in enumerate(plans)]
+            central = storage_reader.prepare_global_plan(plan_with.create_global_plan(decoded))
+            return [encode(p) for p in central]
+
+        mine = ranks.reduce("load's planning", lambda: encode(local_step()), global_step)
+        ranks.agree(
+            "load",
+            lambda: read(decode_as(LoadPlan, _part(mine, ranks.rank, ranks.world_size), "rank 0")),
+        )
+    for key in keys:
+        value = state_dict[key]
+        if isinstance(value, Stateful):
+            value.load_state_dict(state[key])
+        else:
+            state_dict[key] = state[key]
+
+
+__all__ = ["CLASSES", "MAX_DEPTH", "decode", "decode_as", "decode_list", "encode", "load", "save"]
