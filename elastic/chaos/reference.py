@@ -67,7 +67,7 @@ def final_model(job: ChaosJob, url: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from elastic.checkpoint import find_latest_complete
-    from elastic.checkpoint.storage import make_reader
+    from elastic.checkpoint.storage import SafeLoadPlanner, make_reader
     from elastic.training.config import load_config
     from elastic.training.model import build_model
 
@@ -78,7 +78,8 @@ def final_model(job: ChaosJob, url: Path) -> dict[str, Any]:
         )
     cfg = load_config(job.opts.config, [])
     state = {"model": build_model(cfg.model).state_dict()}
-    dcp.load(state, storage_reader=make_reader(info.url))
+    reader = make_reader(info.url, info.metadata_record)  # .metadata checked before unpickling
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return state["model"]
 
 

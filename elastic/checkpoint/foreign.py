@@ -11,7 +11,9 @@
 
 Both unpickle the directory's ``.metadata`` as torch's own reader does (only
 ``read_entries`` checks it against a commit marker's record): start only from a
-directory you trust. Non-tensor values load with ``weights_only=True``.
+directory you trust. Non-tensor values load with ``weights_only=True``. The ranks of
+``init_from`` agree through :mod:`elastic.checkpoint.planning` (checked JSON, no pickles
+between them).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (  # private in torch 2.14
     _EmptyStateDictLoadPlanner,
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_loader import (  # private in torch
     _load_state_dict,
 )
 
+from elastic.checkpoint import planning
 from elastic.checkpoint.storage import (
     SafeLoadPlanner,
     flatten_state_dict,
@@ -127,7 +129,7 @@ def _flat_names(state: dict[str, Any]) -> set[str]:
 
 def _load(url: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     try:
-        dcp.load(
+        planning.load(
             state,
             storage_reader=make_reader(url),
             planner=SafeLoadPlanner(allow_partial_load=True),

@@ -3,10 +3,13 @@
 An AST scan of every module under ``elastic/``: it fails on any ``torch.distributed``
 ``*_object`` / ``*_object_list`` collective (they pickle and unpickle), ``pickle.load``,
 ``pickle.loads`` or ``pickle.Unpickler`` (also of ``_pickle``, ``cloudpickle`` and ``dill``),
-``marshal.load(s)`` and ``torch.load`` without ``weights_only=True``, however they are
-imported or aliased, except at the sites of :data:`ALLOWED`, each with the reason its bytes
-may be unpickled. An allowlist entry that no longer matches fails too (it would hide a new
-site in the same function). The scanner itself is tested on planted source.
+``marshal.load(s)``, ``torch.load`` without ``weights_only=True``, and torch's DCP drivers
+(``dcp.save`` / ``dcp.load`` and their older and private names) without ``no_dist=True``:
+with ranks, they move plans, results and errors between them as pickles (use
+``elastic.checkpoint.planning`` instead). However they are imported or aliased, each is a
+finding except at the sites of :data:`ALLOWED`, each with the reason its bytes may be
+unpickled. An allowlist entry that no longer matches fails too (it would hide a new site in
+the same function). The scanner itself is tested on planted source.
 """
 
 from __future__ import annotations
@@ -39,6 +42,21 @@ PICKLE_MODULES = frozenset({"pickle", "_pickle", "cPickle", "cloudpickle", "dill
 PICKLE_READERS = frozenset({"load", "loads", "Unpickler"})
 MARSHAL_READERS = frozenset({"load", "loads"})
 TORCH_LOADS = frozenset({"torch.load", "torch.serialization.load"})
+# torch's DCP drivers: between ranks (unless no_dist=True) they pickle (utils._DistWrapper).
+DCP_MODULES = (
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict_saver",
+    "torch.distributed.checkpoint.state_dict_loader",
+)
+DCP_DRIVERS = {
+    f"{module}.{name}": f"dcp.{kind}"
+    for module in DCP_MODULES
+    for kind, names in {
+        "save": ("save", "async_save", "save_state_dict", "_save_state_dict"),
+        "load": ("load", "load_state_dict", "_load_state_dict", "_load_state_dict_from_keys"),
+    }.items()
+    for name in names
+}
 
 # (module path under the repo, enclosing function's qualified name, what) -> why it is safe.
 ALLOWED: dict[tuple[str, str, str], str] = {
@@ -65,6 +83,16 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     "constructors",
 }
 
+# The manager's two DCP calls, which the diff in issue 18's report (item 1) moves onto
+# elastic.checkpoint.planning; tolerated until then, and an error once they are gone (then
+# empty this set).
+PENDING: frozenset[tuple[str, str, str]] = frozenset(
+    {
+        ("elastic/checkpoint/manager.py", "CheckpointManager._write", "dcp.save"),
+        ("elastic/checkpoint/manager.py", "CheckpointManager._load_one", "dcp.load"),
+    }
+)
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -87,6 +115,7 @@ class _Scanner(ast.NodeVisitor):
         self.names: dict[str, str] = {}  # local name -> "module.attr" (from x import attr)
         self.scope: list[str] = []
         self.found: list[Finding] = []
+        self._called: set[int] = set()  # DCP drivers seen as the function of a call
 
     def _add(self, node: ast.AST, what: str) -> None:
         line = getattr(node, "lineno", 0)
@@ -138,8 +167,18 @@ class _Scanner(ast.NodeVisitor):
             return f"marshal.{attr}"
         return None
 
+    def _driver(self, node: ast.expr, full: str | None) -> None:
+        """A DCP driver named other than as the function of a call (a partial, an alias
+        handed on): it may be called with ranks, so it is a finding too."""
+        if full in DCP_DRIVERS and id(node) not in self._called:
+            self._add(node, DCP_DRIVERS[full])
+
+    def visit_Name(self, node: ast.Name) -> None:
+        self._driver(node, self.names.get(node.id))
+
     def visit_Attribute(self, node: ast.Attribute) -> None:
         full = self._dotted(node)
+        self._driver(node, full)
         what = self._classify(full) if full else None
         if what:
             self._add(node, what)
@@ -149,14 +188,18 @@ class _Scanner(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         full = self._dotted(node.func)
-        if full in TORCH_LOADS and not _weights_only(node):
+        if full in TORCH_LOADS and not _keyword_true(node, "weights_only"):
             self._add(node, "torch.load")
+        if full in DCP_DRIVERS:
+            self._called.add(id(node.func))
+            if not _keyword_true(node, "no_dist"):
+                self._add(node, DCP_DRIVERS[full])
         self.generic_visit(node)
 
 
-def _weights_only(call: ast.Call) -> bool:
+def _keyword_true(call: ast.Call, name: str) -> bool:
     return any(
-        k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+        k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is True
         for k in call.keywords
     )
 
@@ -178,12 +221,14 @@ def scan_package() -> list[Finding]:
 def test_nothing_under_elastic_unpickles_outside_the_allowlist() -> None:
     found = scan_package()
     assert len(found) > 0  # the allowlisted sites are seen: the scanner reads the package
-    rogue = [f for f in found if f.site not in ALLOWED]
+    rogue = [f for f in found if f.site not in set(ALLOWED) | PENDING]
     assert not rogue, "unpickling outside the allowlist:\n" + "\n".join(
         f"  {f.path}:{f.line} ({f.scope or 'module'}): {f.what}" for f in rogue
     )
     stale = set(ALLOWED) - {f.site for f in found}
     assert not stale, f"allowlist entries that match nothing any more: {sorted(stale)}"
+    done = PENDING - {f.site for f in found}
+    assert not done, f"fixed, so drop them from PENDING: {sorted(done)}"
 
 
 def test_every_allowlist_entry_gives_its_reason() -> None:
@@ -217,6 +262,29 @@ PLANTED = [
     ("import torch\ntorch.load(f, weights_only=False)\n", "torch.load"),
     ("from torch import load\nload(f, map_location='cpu')\n", "torch.load"),
     ("import torch as t\nt.serialization.load(f)\n", "torch.load"),
+    (
+        "import torch.distributed.checkpoint as dcp\ndcp.save(s, storage_writer=w)\n",
+        "dcp.save",
+    ),
+    ("import torch\ntorch.distributed.checkpoint.load(s, checkpoint_id=p)\n", "dcp.load"),
+    ("from torch.distributed.checkpoint import load as l\nl(s, no_dist=False)\n", "dcp.load"),
+    ("from torch.distributed import checkpoint as c\nc.async_save(s)\n", "dcp.save"),
+    (
+        "from torch.distributed.checkpoint.state_dict_loader import _load_state_dict\n"
+        "_load_state_dict(s, r)\n",
+        "dcp.load",
+    ),
+    (
+        "from torch.distributed.checkpoint.state_dict_saver import save_state_dict as s\n"
+        "class M:\n    def f(self):\n        s(x, w, no_dist=flag)\n",
+        "dcp.save",
+    ),
+    (
+        "import functools\nimport torch.distributed.checkpoint as dcp\n"
+        "save = functools.partial(dcp.save, no_dist=True)\n",
+        "dcp.save",
+    ),
+    ("from torch.distributed.checkpoint import save\nhook = save\n", "dcp.save"),
 ]
 
 
@@ -231,6 +299,11 @@ def test_the_scanner_lets_safe_code_pass() -> None:
         "torch.load(f, weights_only=True)\ndist.all_gather(out, t)\n"
         "dist.broadcast(t, src=0)\nexcept_ = pickle.UnpicklingError\n"
         "def lookup_object(self, index): return index\n"
+        "import torch.distributed.checkpoint as dcp\n"
+        "from torch.distributed.checkpoint.state_dict_loader import _load_state_dict\n"
+        "dcp.load(s, storage_reader=r, no_dist=True)\n_load_state_dict(s, r, no_dist=True)\n"
+        "dcp.FileSystemReader(p)\nfrom elastic.checkpoint import planning\n"
+        "planning.save(s, storage_writer=w, process_group=g)\n"
     )
     assert scan(safe) == []
 
