@@ -12,15 +12,16 @@ Every save writes into a fresh ``save-<nonce>`` directory, so a save never
 deletes or overwrites anything to make room: a stale or failing writer cannot
 damage a committed step. The commit marker names the attempt, the run, the
 writers' rendezvous job and round, and every file with its size and digest
-(:mod:`elastic.checkpoint.digest`: CRC-32, or a SHA-256 tree when signed; ``.metadata``
-also with its SHA-256); with a job secret (:mod:`elastic.secret`) it carries an
-HMAC-SHA256 over all of that. It replaces any older marker of the
+(:mod:`elastic.checkpoint.digest`: CRC-32, or when signed AES-GMAC under a key of the
+file's own; ``.metadata`` with its SHA-256); with a job secret (:mod:`elastic.secret`)
+it carries an HMAC-SHA256 over all of that. It replaces any older marker of the
 step atomically (temporary file + rename).
 
 A step is *complete* only when ``COMMIT.json`` exists, is well formed, names
 this run, is signed with this job's secret (when there is one), and every file
 it lists exists with the recorded size (and, with ``verify="full"``, the
-recorded digest; a signed marker must record a SHA-256 tree). Anything else is never
+recorded digest; a signed marker must vouch for every file by a MAC or a SHA-256, and
+its MACs are checked with keys derived from the job secret). Anything else is never
 loaded. Markers written before this layout (no ``attempt``: the files lie in the
 step directory) are still read when no secret is configured.
 """
@@ -39,25 +40,28 @@ from typing import Any, Literal
 
 import fsspec
 
+from elastic import env
 from elastic import secret as signing
-from elastic.checkpoint.digest import SHA256_TREE, digest_of, recorded_kind
+from elastic.checkpoint.digest import KEYED, STRONG, FileKeys, matches, recorded_kind
 from elastic.checkpoint.storage import (
     METADATA,
     filesystem,
     join,
     write_atomically,
 )
-from elastic.errors import ConfigError
+from elastic.errors import CheckpointError, ConfigError
 
 logger = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMIT.json"
-MARKER_VERSION = 3  # 3: a signed marker vouches for every file by a SHA-256 tree
+MARKER_VERSION = 4  # 4: a signed marker vouches for data files by GMAC (3: a SHA-256 tree)
+_STRONG_SINCE = 3  # signed markers from this version on must vouch by STRONG digests only
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _ATTEMPT = re.compile(r"^save-[0-9a-f]{8,64}$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 Verify = Literal["full", "size"]
 _WARNED_WEAK: list[bool] = []  # the CRC-only signed marker warning, once per process
+_WARNED_KEYLESS: list[bool] = []  # the MACs-unchecked-without-the-secret warning, once
 
 
 @dataclass(frozen=True)
@@ -230,29 +234,30 @@ def inspect_step(
         if weak:
             return verdict(weak)
     dfs, droot = filesystem(data_url)
+    keys = None if secret is None else FileKeys(secret, run_id, step, marker.get("attempt") or "")
     for name, expected in marker["files"].items():
-        problem = _check_file(dfs, f"{droot}/{name}", expected, verify)
+        problem = _check_file(dfs, f"{droot}/{name}", name, expected, verify, keys)
         if problem:
             return verdict(f"{name}: {problem}")
     return verdict()
 
 
 def _weakly_vouched(marker: Mapping[str, Any]) -> str:
-    """Why a signed marker does not vouch for its files by a SHA-256 tree, or ``""``.
+    """Why a signed marker does not vouch for its files by a MAC or a SHA-256, or ``""``.
 
     Markers of version 2 (before the SHA-256 tree) vouch by CRC-32 only: still loaded, with a
     warning, so that a run resumes across the upgrade.
     """
-    weak = sorted(n for n, e in marker["files"].items() if not isinstance(e.get(SHA256_TREE), str))
+    weak = sorted(n for n, e in marker["files"].items() if recorded_kind(e) not in STRONG)
     if not weak:
         return ""
-    if int(marker.get("version") or 0) >= MARKER_VERSION:
+    if int(marker.get("version") or 0) >= _STRONG_SINCE:
         return f"signed commit marker vouches for {weak[0]} by CRC-32 only (forged)"
     if not _WARNED_WEAK:
         _WARNED_WEAK.append(True)
         logger.warning(
             "A signed checkpoint marker of version %s vouches for its files by CRC-32 only: "
-            "the storage could alter them undetected; new saves vouch by a SHA-256 tree.",
+            "the storage could alter them undetected; new saves vouch by a keyed MAC.",
             marker.get("version"),
         )
     return ""
@@ -281,7 +286,7 @@ def _malformed(marker: Any, step: int) -> str:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             return f"{name}: no valid size"
         if recorded_kind(entry) is None:
-            return f"{name}: no CRC-32 or SHA-256 tree"
+            return f"{name}: no digest (CRC-32, SHA-256, SHA-256 tree or GMAC)"
     if marker.get("step", step) != step:
         return f"names step {marker.get('step')!r}"
     attempt = marker.get("attempt")
@@ -294,20 +299,47 @@ def _malformed(marker: Any, step: int) -> str:
 
 
 def _check_file(
-    fs: fsspec.AbstractFileSystem, path: str, expected: dict[str, Any], verify: Verify
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    name: str,
+    expected: dict[str, Any],
+    verify: Verify,
+    keys: FileKeys | None,
 ) -> str:
+    """Why the stored file ``name`` is not as ``expected`` records it, or ``""``. A MAC is
+    checked with ``keys``; without them (no secret) the CRC-32 recorded beside it, or
+    where there is none only the size (one warning)."""
     try:
         size = fs.info(path)["size"]
         if size != expected["size"]:
             return f"size {size} bytes, expected {expected['size']} (truncated or overwritten)"
-        kind = recorded_kind(expected)
-        if verify == "full" and kind and digest_of(fs, path, kind) != expected[kind]:
+        if verify != "full":
+            return ""
+        kind = recorded_kind(expected, keyed=keys is not None)
+        if kind is None:
+            _warn_keyless(path)
+            return ""
+        key = keys.key(name) if keys is not None and kind in KEYED else None
+        if not matches(fs, path, kind, expected[kind], key):
             return "checksum mismatch (corrupt)"
     except FileNotFoundError:
         return "missing"
+    except CheckpointError as exc:  # the MAC cannot be computed here (no cryptography)
+        return str(exc).rstrip(".")
     except (OSError, KeyError, TypeError) as exc:
         return f"unreadable ({type(exc).__name__}: {exc})"
     return ""
+
+
+def _warn_keyless(path: str) -> None:
+    if not _WARNED_KEYLESS:
+        _WARNED_KEYLESS.append(True)
+        logger.warning(
+            "Checkpoint file %s is vouched for by a keyed MAC, which only the job secret can "
+            "check: without it its size is checked, not its contents; set $%s to check them.",
+            path,
+            env.SECRET_FILE,
+        )
 
 
 def complete_steps(

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastic import events
 from elastic import secret as signing
 from elastic.checkpoint.config import CheckpointConfig
-from elastic.checkpoint.digest import kind_for
+from elastic.checkpoint.digest import file_keys, kind_for
 from elastic.checkpoint.fence import CommitFence
 from elastic.checkpoint.layout import (
     StepInfo,
@@ -306,7 +306,8 @@ class CheckpointManager:
         attempt = self._start_attempt(step)
         if attempt.startswith("save-"):
             try:
-                writer = HashingWriter(join(url, attempt), kind_for(self.secret is not None))
+                keys = file_keys(self.secret, self.run_id, step, attempt)
+                writer = HashingWriter(join(url, attempt), kind_for(keys is not None), keys)
                 dcp.save(
                     staged,
                     storage_writer=writer,

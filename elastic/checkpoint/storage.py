@@ -18,11 +18,11 @@ module changes. :class:`HashingWriter` changes three things in torch's writer:
   versions wrote (torch's reader refuses those: "Unknown extension");
   non-tensor items are ``torch.save`` bytes as in torch;
 * every byte written is digested on the way out (:mod:`elastic.checkpoint.digest`:
-  CRC-32, or a SHA-256 tree when the marker is signed), in one pass that runs beside
-  the writes, so the commit marker records digests without reading the
-  checkpoint back. ``.metadata`` (small, and unpickled on load) also gets a
+  CRC-32, and when the marker is signed AES-GMAC under a key of the file's own too), in
+  one pass that runs beside the writes, so the commit marker records digests without
+  reading the checkpoint back. ``.metadata`` (small, and unpickled on load) gets a
   SHA-256, which the signed commit marker carries and :class:`VerifyingReader`
-  checks before it unpickles a byte;
+  checks before it unpickles a byte (no key needed);
 * local files are written with ``os.write`` on the staged tensors' memory (no
   copy, no Python buffering), their write-back to the disk is started as the
   writes go (``sync_file_range`` on Linux) and they are fsynced once at the end.
@@ -97,10 +97,14 @@ from torch.futures import Future as TorchFuture
 from elastic.checkpoint.digest import (
     CRC32,
     CRC32_IMPLEMENTATION,
+    KEYED,
+    SHA256,
     FileDigest,
+    FileKeys,
     bytes_digest,
     crc32,
     recorded_kind,
+    require,
 )
 from elastic.checkpoint.record import frame
 from elastic.errors import CheckpointError
@@ -119,18 +123,17 @@ _SYNC_FILE_RANGE_WRITE = 2
 class _HashingStream:
     """A write-only stream proxy that digests and counts what passes through."""
 
-    def __init__(self, raw: Any, record: dict[str, Any], kind: str, sha256: bool) -> None:
+    def __init__(self, raw: Any, record: dict[str, Any], digests: list[FileDigest]) -> None:
         self._raw = raw
-        self._digest = FileDigest(kind)
+        self._digests = digests
         self._record = record
         self._size = 0
-        self._sha = hashlib.sha256() if sha256 else None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._digest.update(bytes(view))  # a copy: the caller may reuse its buffer (small)
-        if self._sha is not None:
-            self._sha.update(view)
+        for digest in self._digests:
+            # the tree hashes later: a copy, as the caller may reuse its buffer (small)
+            digest.update(bytes(view) if digest.copies_needed else view)
         self._size += view.nbytes
         return self._raw.write(data)
 
@@ -145,10 +148,10 @@ class _HashingStream:
         self._raw.close()
 
     def seal(self) -> None:
-        """Record the size and digest of everything written so far."""
-        self._record.update(size=self._size, **self._digest.record())
-        if self._sha is not None:
-            self._record["sha256"] = self._sha.hexdigest()
+        """Record the size and digests of everything written so far."""
+        self._record["size"] = self._size
+        for digest in self._digests:
+            self._record.update(digest.record())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
@@ -157,14 +160,26 @@ class _HashingStream:
 class HashingWriter(FsspecWriter):
     """torch's ``FsspecWriter`` that writes each rank's tensors into one file as
     ``torch.save`` records framed around their memory, and records a digest (``digest``:
-    CRC-32 or a SHA-256 tree, :mod:`elastic.checkpoint.digest`) and size per file it writes
-    (in :attr:`written`)."""
+    CRC-32, or GMAC under ``keys``, :mod:`elastic.checkpoint.digest`) and size per file it
+    writes (in :attr:`written`). ``.metadata`` gets a SHA-256 (and the unkeyed ``digest``).
 
-    def __init__(self, path: str, digest: str = CRC32, **kwargs: Any) -> None:
+    Raises:
+        CheckpointError: GMAC without ``keys``, or without the ``cryptography`` package.
+    """
+
+    def __init__(
+        self, path: str, digest: str = CRC32, keys: FileKeys | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(path, sync_files=True, **kwargs)
         self.written: dict[str, dict[str, Any]] = {}
         self.digest = digest
-        FileDigest(digest)  # refuse an unknown kind now, not in the writer thread
+        require(digest)  # refuse an unknown kind now, not in the writer thread
+        if digest in KEYED and keys is None:
+            raise CheckpointError(
+                f"The checkpoint digest {digest!r} is keyed, but the writer of {path} was "
+                "given no keys; this is a bug in the caller."
+            )
+        self._keys = keys
         self._lock = threading.Lock()
         inner = self.fs.create_stream
         self._open_stream = inner  # torch's: removes a partly written file on error
@@ -179,11 +194,23 @@ class HashingWriter(FsspecWriter):
             record = self._record(name)
             with inner(path, mode) as stream, warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="fsync not supported")
-                proxy = _HashingStream(stream, record, digest, sha256=name == METADATA)
+                proxy = _HashingStream(stream, record, self._digests(name))
                 yield proxy
                 proxy.seal()
 
         self.fs.create_stream = create_stream  # type: ignore[method-assign]
+
+    def _digests(self, name: str) -> list[FileDigest]:
+        """The digests to record for the file ``name``. ``.metadata``: a SHA-256 (and the
+        CRC-32, or the unkeyed kind), checked without a key. Data files: the kind, and beside
+        a MAC the CRC-32 (12 GB/s), so that readers without the secret still find torn and
+        flipped files."""
+        if self.digest not in KEYED:
+            return [FileDigest(self.digest)] + ([FileDigest(SHA256)] if name == METADATA else [])
+        if name == METADATA:
+            return [FileDigest(CRC32), FileDigest(SHA256)]
+        assert self._keys is not None  # checked in __init__
+        return [FileDigest(self.digest, self._keys.key(name)), FileDigest(CRC32)]
 
     def _record(self, name: str) -> dict[str, Any]:
         record: dict[str, Any] = {}
@@ -212,7 +239,7 @@ class HashingWriter(FsspecWriter):
             offset += length
         path = self.fs.concat_path(self.path, name)
         with self._open_stream(path, "wb") as stream:
-            size, digest = write_views(stream, views, self.digest)
+            size, digest = write_views(stream, views, self._digests(name))
         self._record(name).update(size=size, **digest)  # closed, and durable
         future: TorchFuture[list[WriteResult]] = TorchFuture()
         future.set_result(results)
@@ -263,10 +290,11 @@ def _chunks(views: Sequence[memoryview]) -> Iterator[memoryview]:
 
 
 def write_views(
-    stream: Any, views: Sequence[memoryview], kind: str = CRC32
+    stream: Any, views: Sequence[memoryview], digests: Sequence[FileDigest] | str = CRC32
 ) -> tuple[int, dict[str, str]]:
     """Write ``views`` one after another to ``stream`` and make them durable; return the
-    total size and the digest of it all (``{kind: hex}``).
+    total size and the digests of it all (``{kind: hex}``; ``digests``: fresh
+    :class:`FileDigest` objects, or one unkeyed kind).
 
     The digest runs in a second thread over the same memory while this one writes
     (both release the GIL). With a file descriptor the bytes go through
@@ -275,13 +303,17 @@ def write_views(
     store makes them durable when the stream closes.
     """
     digest_result: Future[dict[str, str]] = Future()
+    running = [FileDigest(digests)] if isinstance(digests, str) else list(digests)
 
     def checksum() -> None:
         try:
-            digest = FileDigest(kind)
             for chunk in _chunks(views):
-                digest.update(chunk)
-            digest_result.set_result(digest.record())
+                for digest in running:  # one chunk after the other: it stays in the cache
+                    digest.update(chunk)
+            recorded: dict[str, str] = {}
+            for digest in running:
+                recorded.update(digest.record())
+            digest_result.set_result(recorded)
         except BaseException as exc:  # handed to the writer below
             digest_result.set_exception(exc)
 
@@ -533,15 +565,16 @@ def _read_exactly(stream: Any, view: memoryview, path: str) -> None:
 
 
 def metadata_problem(data: bytes, expected: dict[str, Any] | None) -> str:
-    """Why ``data`` is not the ``.metadata`` that ``expected`` (a marker entry) describes."""
+    """Why ``data`` is not the ``.metadata`` that ``expected`` (a marker entry) describes
+    (checked by its strongest unkeyed digest, and by its SHA-256 where recorded)."""
     if expected is None:
         return ""
     if len(data) != expected.get("size"):
         return f"size {len(data)} bytes, expected {expected.get('size')}"
-    kind = recorded_kind(expected)
+    kind = recorded_kind(expected, keyed=False)
     if kind is None or bytes_digest(data, kind) != expected[kind]:
         return "checksum mismatch"
-    sha = expected.get("sha256")
+    sha = expected.get(SHA256)
     if sha is not None and hashlib.sha256(data).hexdigest() != sha:
         return "SHA-256 mismatch"
     return ""
