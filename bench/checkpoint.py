@@ -17,8 +17,9 @@ so that a change in the machine's load hits them all alike:
 * ``baseline`` (with ``--baseline REV``): the same for the ``elastic`` package of git
   revision ``REV``, in a second worker process whose saves alternate with ours;
 * ``--signed``: both managers sign their markers with a (fixed) job secret, so files are
-  vouched for by the signed runs' digest (a SHA-256 tree since marker version 3, CRC-32
-  before); without it they are unsigned (CRC-32);
+  vouched for by the signed runs' digest (AES-GMAC and a CRC-32 since marker version 4, a
+  SHA-256 tree in version 3, CRC-32 before); without it they are unsigned (CRC-32); each
+  worker reports the digests its markers record (``digests``);
 * ``--variants unsigned signed``: one worker per variant (and per baseline), all in the
   same rounds, so signed and unsigned saves and ``torch.save`` see the same machine state;
   their results are keyed ``ours-unsigned``, ``ours-signed`` (``baseline-...``).
@@ -170,12 +171,14 @@ def _worker_main(model: str, url: Path, out: IO[str], signed: bool) -> None:
     state = _state(model)
     cfg = CheckpointConfig(url=str(url), keep_last=1, verify="size")
     manager = CheckpointManager(cfg, run_id="bench", secret=_BENCH_SECRET if signed else None)
-    manager.save(0, state, block=True)  # the first save allocates the staging buffers
+    first = manager.save(0, state, block=True)  # the first save allocates the staging buffers
     from elastic.checkpoint import storage
 
+    files = getattr(first, "files", None) or {}
     package = {
         "package": str(Path(elastic.__file__).parent),
         "crc32": getattr(storage, "CRC32_IMPLEMENTATION", "zlib"),
+        "digests": sorted({k for entry in files.values() for k in entry if k != "size"}),
     }
     print(json.dumps(package), file=out, flush=True)
     for step, _ in enumerate(sys.stdin, start=1):
