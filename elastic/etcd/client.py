@@ -200,6 +200,7 @@ class KeyValue:
     create_revision: int
     mod_revision: int
     lease: int = 0
+    version: int = 0  # etcd's count of writes since the key was created (0: absent, unknown)
 
 
 @dataclass(frozen=True)
@@ -571,7 +572,7 @@ def _follow(stream: Any, on_events: Callable[[int, list[KeyEvent]], bool]) -> bo
 
 def key_value(kv: Any) -> KeyValue:
     """A :class:`KeyValue` of etcd's protobuf ``KeyValue``."""
-    return KeyValue(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+    return KeyValue(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease, kv.version)
 
 
 def txn_kvs(response: Any, index: int) -> list[KeyValue]:

@@ -112,12 +112,13 @@ class Closer:
             view = state.view(self._limits)
             number = policy.next_round(view, state.high)
             round_ = policy.compose(view, number, state.name)
-        revision = self._publisher.put_round(round_, number)
-        if revision is None:
+        written = self._publisher.put_round(round_, number)
+        if written is None:
             return
+        revision, at = written
         with state.cond:
             state.high = number
-            state.set_round(round_, revision, revision)
+            state.set_round(round_, revision, revision, at)
             state.timers = replace(state.timers, first_ready=None, last_change=time.monotonic())
         logger.info(
             "The closer '%s' published round %d of '%s' with %d nodes.",
@@ -132,10 +133,10 @@ class Closer:
         state = self._state
         with state.cond:
             round_ = policy.tell_running(state.view(self._limits), state.timers, time.monotonic())
-        revision = self._publisher.put_round(round_, None)
-        if revision is not None:
+        written = self._publisher.put_round(round_, None)
+        if written is not None:
             with state.cond:
-                state.set_round(round_, revision, revision)
+                state.set_round(round_, written[0], written[0], written[1])
 
     def _watch(self) -> bool:
         """Watch the members and the round until the decision changes or its time comes;

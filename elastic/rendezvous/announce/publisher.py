@@ -2,12 +2,16 @@
 
 * :meth:`Publisher.announce` writes this node's member key on its own lease, in one
   transaction that also reads the round key and the node's predecessor (the next-older
-  member key), granting a fresh lease first if there is none or it expired.
+  member key), granting a fresh lease first if there is none or it expired. The write is a
+  compare-and-set on the key's version as this node last wrote it (or on its absence), so
+  the record can be signed for the version it creates (:mod:`.records`, replay); if someone
+  else wrote or deleted the key meanwhile, one more transaction reads it and writes again.
 * :meth:`Publisher.put_round` writes the round key as the closer, in one transaction fenced
   three ways: by the round key's ``mod_revision``, by this node's own member key (a closer
   whose lease expired cannot publish) and, for a new round, by the commit fence's high mark,
   which the same transaction advances with the fence (:mod:`elastic.rendezvous.fence`), so
-  a round is never visible before its fence.
+  a round is never visible before its fence. The round is signed for the key's next
+  version; an absent round key is first created empty (no round), once per run.
 * :meth:`Publisher.close_run` marks the rendezvous closed (the job finished).
 """
 
@@ -21,6 +25,7 @@ from typing import Any
 from elastic.errors import EtcdConnectionError
 from elastic.etcd.client import (
     EtcdClient,
+    KeyValue,
     compare_absent,
     compare_created,
     compare_less,
@@ -33,11 +38,10 @@ from elastic.etcd.client import (
 )
 from elastic.rendezvous.announce.keeper import MemberLease
 from elastic.rendezvous.announce.records import (
-    NO_ROUND,
     Announcement,
     Round,
     decode_members,
-    decode_round,
+    round_of,
 )
 from elastic.rendezvous.announce.state import NodeState
 from elastic.rendezvous.fence import _round_bytes, high_key
@@ -47,6 +51,7 @@ from elastic.rendezvous.lease import RunLease
 logger = logging.getLogger(__name__)
 
 _ANNOUNCE_TRIES = 3  # leases granted in a row before an announcement gives up
+_WRITE_TRIES = 3  # compare-and-sets lost in a row (someone else writes our key) before that
 
 
 def older_members(keys: RunKeys, create_revision: int) -> Any:
@@ -81,6 +86,7 @@ class Publisher:
         self._client, self._keys = client, keys
         self._run_lease, self._lease, self._state = run_lease, lease, state
         self.key = keys.members + state.name.encode()  # this node's member key
+        self._mine: KeyValue | None = None  # our key as we last wrote or read it (None: unknown)
 
     def announce(self, announcement: Announcement) -> bool:
         """Write this node's key and take the round and the predecessor it read.
@@ -110,46 +116,62 @@ class Publisher:
         return recreated
 
     def _write(self, announcement: Announcement) -> Any:
-        """Put the announcement on this node's lease (signed for that lease), in a fresh
-        lease when there is none or it expired."""
+        """Put the announcement on this node's lease, signed for that lease and for the
+        version of the key it creates, in a fresh lease when there is none or it expired."""
         state = self._state
-        for _ in range(_ANNOUNCE_TRIES):
+        leases = writes = 0
+        while leases < _ANNOUNCE_TRIES and writes < _WRITE_TRIES:
             if not self._lease.id or state.expired:
                 self._lease.grant()
-                state.create_rev = 0
+                self._mine, state.create_rev = None, 0
                 with state.cond:
                     state.expired = False
-            value = state.trust.seal(self.key, announcement, lease=self._lease.id)
+            mine = self._mine  # None: absent, we think; create it (its first version)
+            compare = compare_mod(self.key, mine.mod_revision) if mine else compare_absent(self.key)
+            at = (mine.create_revision, mine.version + 1) if mine else (0, 1)
+            value = state.trust.seal(self.key, announcement, lease=self._lease.id, at=at)
             ops = [
                 op_put(self.key, value, self._lease.id),
                 op_get(self._keys.round),
                 older_members(self._keys, state.create_rev),
                 op_get(self.key),
             ]
-            response = self._client.txn_on_lease([], ops, [])
-            if response is not None:
+            response = self._client.txn_on_lease([compare], ops, [op_get(self.key)])
+            if response is None:
+                leases += 1
+                state.expired = True
+            elif response.succeeded:
+                self._mine = txn_kvs(response, 3)[0]
                 return response
-            state.expired = True
+            else:  # someone else wrote or deleted our key: write over what is there
+                writes += 1
+                kvs = txn_kvs(response, 0)
+                self._mine = kvs[0] if kvs else None
         raise EtcdConnectionError(
             f"The node '{state.name}' could not announce itself: its etcd lease kept "
-            "expiring; check etcd's health and the keep_alive_* options."
+            "expiring, or its member key kept changing under it; check etcd's health, the "
+            "keep_alive_* options, and who else writes etcd."
         )
 
-    def put_round(self, round_: Round, high: int | None) -> int | None:
+    def put_round(self, round_: Round, high: int | None) -> tuple[int, tuple[int, int]] | None:
         """Write the round key if nobody did since this node read it and this node's key
         is the one it created; with ``high`` (a new round) also advance the commit fence.
 
         Returns:
-            The revision of the write, or None when a compare failed: the state then holds
-            what etcd holds (the round, the high mark, and ``expired`` if our key is gone).
+            The revision of the write and the key's ``at`` then, or None when a compare
+            failed: the state then holds what etcd holds (the round, the high mark, and
+            ``expired`` if our key is gone).
         """
         state, key, fence_high = self._state, self._keys.round, high_key(self._keys)
+        if not state.round_at[1] and not self._create_round_key():
+            return None
+        create, version = state.round_at
+        at = (create, version + 1)  # what this write makes of the key
         compares = [
-            compare_mod(key, state.round_rev) if state.round_rev else compare_absent(key),
+            compare_mod(key, state.round_rev),
             compare_created(self.key, state.create_rev),
         ]
-        seen = max(state.round_rev, state.round_seen)  # signed: older rounds are replays
-        puts = [op_put(key, state.trust.seal(key, round_, rev=seen), self._run_lease.id())]
+        puts = [op_put(key, state.trust.seal(key, round_, at=at), self._run_lease.id())]
         if high is not None:
             value = _round_bytes(high)
             compares.append(
@@ -161,9 +183,19 @@ class Publisher:
         reads = [op_get(key), op_get(fence_high), op_get(self.key)]
         response = self._client.txn(compares, puts, reads)
         if response.succeeded:
-            return int(response.header.revision)
+            return int(response.header.revision), at
         self._lost(response)
         return None
+
+    def _create_round_key(self) -> bool:
+        """Create the absent round key empty (no round): a signed round is never its first
+        version. Whether it was absent (else the state takes what is there)."""
+        key, state = self._keys.round, self._state
+        put = op_put(key, b"", self._run_lease.id())
+        response = self._client.txn([compare_absent(key)], [put, op_get(key)], [op_get(key)])
+        with state.cond:
+            state.set_round_kv(txn_kvs(response, 1 if response.succeeded else 0))
+        return bool(response.succeeded)
 
     def _lost(self, response: Any) -> None:
         """Take what a failed :meth:`put_round` read instead."""
@@ -178,24 +210,29 @@ class Publisher:
     def is_closed(self) -> bool:
         """Whether the rendezvous is closed (one read)."""
         kvs = self._client.range(self._keys.round).kvs
-        return bool(kvs and decode_round(kvs[0].value, self._state.trust).closed)
+        return bool(kvs and round_of(key_value(kvs[0]), self._state.trust).closed)
 
     def close_run(self) -> None:
         """Mark the rendezvous closed: every node's next rendezvous then ends."""
         key, trust = self._keys.round, self._state.trust
-        read = self._client.range(key)
-        kvs, seen = [key_value(kv) for kv in read.kvs], int(read.header.revision)
+        kvs = [key_value(kv) for kv in self._client.range(key).kvs]
         while True:
-            round_ = decode_round(kvs[0].value, trust) if kvs else NO_ROUND
+            if not kvs:  # create it first (a signed round is never its first version)
+                put = op_put(key, b"", self._run_lease.id())
+                self._client.txn([compare_absent(key)], [put], [])
+                kvs = [key_value(kv) for kv in self._client.range(key).kvs]
+                continue
+            round_ = round_of(kvs[0], trust)
             if round_.closed:
                 return
-            compare = compare_mod(key, kvs[0].mod_revision) if kvs else compare_absent(key)
-            closed = trust.seal(key, replace(round_, closed=True), rev=seen)
+            at = (kvs[0].create_revision, kvs[0].version + 1)
+            closed = trust.seal(key, replace(round_, closed=True), at=at)
             put = op_put(key, closed, self._run_lease.id())
+            compare = compare_mod(key, kvs[0].mod_revision)
             response = self._client.txn([compare], [put], [op_get(key)])
             if response.succeeded:
                 return
-            kvs, seen = txn_kvs(response, 0), int(response.header.revision)
+            kvs = txn_kvs(response, 0)
 
 
 __all__ = ["Publisher", "older_members"]

@@ -20,10 +20,20 @@ Replay: the key a signature covers names the run and the node (or the round key)
 record written back under another key is not trusted. A member's signature also covers the
 etcd lease it is written on (one per agent start, re-granted after an expiry): once its
 agent is gone, its lease is gone, and its record written back on any other lease (or none)
-gets no rank. A round's signature covers ``rev``, the newest revision of the round key its
-closer had seen when it wrote it; a node that holds a round read at a newer revision than
-that refuses the record as replayed (:func:`decode_round` with ``held``), reading it as no
-round: a node never goes back to an older round, nor to an older version of its round.
+gets no rank. Both signatures also cover ``at``: the key's ``create_revision`` and
+``version`` (etcd's count of writes since the key was created) that the write produces,
+which its writer knows because it writes by compare-and-set on the version it read
+(:mod:`.publisher`). etcd's history is what nobody can rewrite: any later write of the key
+moves its version on, and a deleted key comes back with a newer ``create_revision``, so a
+record is trusted only as the very write it was signed for (:func:`written_at`). A record
+written back, even on its node's still-live lease, or into the round key of an agent that
+holds no round yet, is refused as replayed, with no extra etcd request and whatever etcd
+compacted (the check reads only the key's own revisions). The round key's first version is
+never a signed round (its writer cannot know the revision it will be created at): the
+closer creates it empty first (no round), once per run. A member key's first version is
+signed for ``(0, 1)`` (any first version): the one replay left is a live node's *first*
+announcement on its lease, written back after its key was deleted (deleting keys is what
+such a writer can do anyway: see docs/operations.md's threat model).
 
 A record that is not what we write is reported in one sentence naming the key
 (:class:`~elastic.errors.EtcdStateError` from :func:`parse_round` and :func:`parse_member`);
@@ -49,10 +59,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MEMBER_DOMAIN = b"elastic-announce-member-v2\0"  # v2: the lease is signed too
-ROUND_DOMAIN = b"elastic-announce-round-v2\0"  # v2: ``rev`` is signed too
+MEMBER_DOMAIN = b"elastic-announce-member-v3\0"  # v2: the lease; v3: ``at`` is signed too
+ROUND_DOMAIN = b"elastic-announce-round-v3\0"  # v3: ``at`` instead of v2's ``rev``
 _SIG = "sig"  # the field that holds a record's signature
-_REV = "rev"  # a signed round's field: the round key's newest revision its writer had seen
+_AT = "at"  # a signed record's field: the key's [create_revision, version] of its write
+UNKNOWN = (0, 0)  # ``at`` of a record not read from etcd (nor written there)
 
 
 @dataclass(frozen=True)
@@ -154,58 +165,81 @@ class Trust:
         self._lock = threading.Lock()
 
     def seal(
-        self, key: bytes, record: Announcement | Round, *, lease: int = 0, rev: int = 0
+        self,
+        key: bytes,
+        record: Announcement | Round,
+        *,
+        lease: int = 0,
+        at: tuple[int, int] = UNKNOWN,
     ) -> bytes:
-        """``record`` as written into ``key``, signed if there is a secret: an announcement
-        for the etcd ``lease`` it is written on, a round with ``rev`` (the newest revision
-        of the round key its writer has seen)."""
+        """``record`` as written into ``key``, signed if there is a secret: for the key's
+        ``at`` (its ``create_revision`` and ``version`` once written: :func:`written_at`)
+        and, for an announcement, for the etcd ``lease`` it is written on."""
         doc = record.document()
         if self.secret is not None:
+            doc[_AT] = list(at)
             if isinstance(record, Round):
-                doc[_REV] = rev
                 doc[_SIG] = sign(self.secret, _content(key, doc), ROUND_DOMAIN)
             else:
                 doc[_SIG] = sign(self.secret, _content(key, doc, lease), MEMBER_DOMAIN)
         return json.dumps(doc).encode()
 
-    def signed(self, key: bytes, value: bytes, domain: bytes, lease: int | None = None) -> bool:
-        """Whether ``value`` (a JSON object) carries this job's signature for ``key`` (and,
-        for a member, for the ``lease`` it is on)."""
+    def signed_at(
+        self, key: bytes, value: bytes, domain: bytes, lease: int | None = None
+    ) -> tuple[int, int] | None:
+        """The ``at`` that ``value`` (a JSON object) is signed for by this job, for ``key``
+        (and, for a member, the ``lease`` it is on); None if it is not signed by the job.
+        Without a secret, :data:`ANY` (everything is trusted)."""
         if self.secret is None:
-            return True
+            return ANY
         try:
             doc = json.loads(value)
         except ValueError:
-            return False
+            return None
         if not isinstance(doc, dict):
-            return False
+            return None
         signature = doc.pop(_SIG, None)
-        return verify(self.secret, _content(key, doc, lease), signature, domain)
+        if not verify(self.secret, _content(key, doc, lease), signature, domain):
+            return None
+        at = doc.get(_AT)
+        if not (isinstance(at, list) and len(at) == 2 and all(type(n) is int for n in at)):
+            return None  # we never sign one without it
+        return at[0], at[1]
 
-    def admits_round(self, value: bytes) -> bool:
-        return self.signed(self._round_key, value, ROUND_DOMAIN)
+    def signed(self, key: bytes, value: bytes, domain: bytes, lease: int | None = None) -> bool:
+        """Whether ``value`` carries this job's signature for ``key`` (and, for a member,
+        for the ``lease`` it is on), whatever write it was signed for."""
+        return self.signed_at(key, value, domain, lease) is not None
 
-    def replayed_round(self, value: bytes, mod_revision: int, held: int) -> bool:
-        """Whether a (signed) round read at ``mod_revision`` is older than the round this
-        node holds, read at ``held``: its writer had not seen that one (a record written
-        back). Without a secret nothing is signed, so nothing counts as replayed."""
-        if self.secret is None or not held or mod_revision == held:
-            return False
-        try:
-            rev = json.loads(value).get(_REV)
-        except (ValueError, AttributeError):
-            return True
-        return type(rev) is not int or rev < held
+    def round_verdict(self, value: bytes, at: tuple[int, int]) -> str:
+        """ "" if the round key's ``value``, read at ``at``, is trusted; else why not:
+        "unsigned" or "replayed" (signed by the job for another write of the key)."""
+        signed = self.signed_at(self._round_key, value, ROUND_DOMAIN)
+        if signed is None:
+            return "unsigned"
+        return "" if signed in (ANY, at) else "replayed"
 
     def admits_member(self, kv: KeyValue, member: Member) -> bool:
-        """Whether a member key is signed by the job for the lease it is on; warns once per
-        key incarnation."""
-        if self.signed(kv.key, kv.value, MEMBER_DOMAIN, kv.lease):
+        """Whether a member key is signed by the job for the lease it is on and for the
+        write it holds; warns once per key incarnation (a replay: once per write)."""
+        signed = self.signed_at(kv.key, kv.value, MEMBER_DOMAIN, kv.lease)
+        if signed in (ANY, written_at(kv, member=True)):
             return True
+        replayed = signed is not None
         with self._lock:
-            first = (kv.key, kv.create_revision) not in self._warned
-            self._warned.add((kv.key, kv.create_revision))
-        if first:
+            mark = (kv.key, kv.mod_revision if replayed else -kv.create_revision)
+            first = mark not in self._warned
+            self._warned.add(mark)
+        if first and replayed:
+            logger.warning(
+                "The member key '%s' (address %s) holds a record this job signed for another "
+                "write of that key (an old announcement written back: replayed); it is not "
+                "believed. Its node announces afresh at its next round; find who else can "
+                "write etcd.",
+                kv.key.decode(errors="replace"),
+                member.addr,
+            )
+        elif first:
             logger.warning(
                 "The member key '%s' (address %s) is not signed by this job's secret; it gets "
                 "no rank (a forged key, or an old record written back on another lease). Every "
@@ -214,8 +248,22 @@ class Trust:
                 kv.key.decode(errors="replace"),
                 member.addr,
             )
+        if first:
             events.emit("rdzv.untrusted", run_id=self._run_id, node=member.name)
         return False
+
+
+ANY = (-1, -1)  # :meth:`Trust.signed_at` without a secret: any write
+
+
+def written_at(kv: KeyValue, member: bool = False) -> tuple[int, int]:
+    """The ``at`` a trusted record read as ``kv`` must be signed for: the key's
+    ``create_revision`` and ``version``; for a member key's first version ``(0, 1)`` (its
+    writer cannot know the revision it creates the key at), and :data:`UNKNOWN` for a
+    record with no version (not read from etcd)."""
+    if not kv.version or (member and kv.version == 1):
+        return 0, kv.version
+    return kv.create_revision, kv.version
 
 
 def _content(key: bytes, doc: Mapping[str, Any], lease: int | None = None) -> bytes:
@@ -247,12 +295,10 @@ def parse_round(value: bytes) -> Round:
     )
 
 
-def decode_round(
-    value: bytes, trust: Trust | None = None, mod_revision: int = 0, held: int = 0
-) -> Round:
-    """:func:`parse_round`, but an unreadable round, one that ``trust`` does not admit
-    (not signed by the job), or, read at ``mod_revision`` by a node that holds a round read
-    at ``held``, one older than that (replayed), is no round yet (with a warning)."""
+def decode_round(value: bytes, trust: Trust | None = None, at: tuple[int, int] = UNKNOWN) -> Round:
+    """:func:`parse_round`, but an unreadable round, or one that ``trust`` does not admit
+    (not signed by the job, or signed for another write than the one read at ``at``:
+    :func:`written_at`, replayed), is no round yet (with a warning)."""
     try:
         round_ = parse_round(value)
     except EtcdStateError as exc:
@@ -260,21 +306,27 @@ def decode_round(
         return NO_ROUND
     if not value or trust is None:
         return round_
-    if not trust.admits_round(value):
+    verdict = trust.round_verdict(value, at)
+    if verdict == "unsigned":
         logger.warning(
             "The round key is not signed by this job's secret (written by someone outside "
             "the job, or a node with another $ELASTIC_SECRET_FILE); refusing it as no round."
         )
         return NO_ROUND
-    if trust.replayed_round(value, mod_revision, held):
+    if verdict:
         logger.warning(
-            "The round key holds round %d signed before the round this node holds (revision "
-            "%d): an old record written back (replayed); refusing it as no round.",
+            "The round key holds round %d, signed by this job for another write of that key "
+            "(an old record written back: replayed); refusing it as no round (the closer "
+            "publishes a fresh one over it).",
             round_.round,
-            held,
         )
         return NO_ROUND
     return round_
+
+
+def round_of(kv: KeyValue, trust: Trust | None = None) -> Round:
+    """:func:`decode_round` of the round key as read (``kv``)."""
+    return decode_round(kv.value, trust, written_at(kv))
 
 
 def parse_member(kv: KeyValue, prefix: bytes) -> Member:
@@ -354,9 +406,11 @@ def _str_tuple(doc: dict[str, Any], name: str, what: str) -> tuple[str, ...]:
 
 
 __all__ = [
+    "ANY",
     "MEMBER_DOMAIN",
     "NO_ROUND",
     "ROUND_DOMAIN",
+    "UNKNOWN",
     "Announcement",
     "Member",
     "Round",
@@ -366,4 +420,6 @@ __all__ = [
     "decode_round",
     "parse_member",
     "parse_round",
+    "round_of",
+    "written_at",
 ]

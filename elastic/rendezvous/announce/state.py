@@ -16,7 +16,15 @@ from dataclasses import dataclass, field, replace
 
 from elastic.etcd.client import KeyValue, WatchHandle
 from elastic.rendezvous.announce.policy import Limits, Timers, View
-from elastic.rendezvous.announce.records import NO_ROUND, Member, Round, Trust, decode_round
+from elastic.rendezvous.announce.records import (
+    NO_ROUND,
+    UNKNOWN,
+    Member,
+    Round,
+    Trust,
+    round_of,
+    written_at,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +46,7 @@ class NodeState:
     # The newest round, and the revisions each watched key was seen up to.
     round: Round = NO_ROUND
     round_rev: int = 0  # the round key's mod_revision (0: absent)
+    round_at: tuple[int, int] = UNKNOWN  # its create_revision and version ((0, 0): absent)
     round_seen: int = 0
     pred: Member | None = None  # the next older member, which this node watches over
     pred_seen: int = 0
@@ -57,24 +66,27 @@ class NodeState:
         """The members changed at ``now`` (the last call starts again)."""
         self.timers = replace(self.timers, last_change=now)
 
-    def set_round(self, round_: Round, mod_revision: int, seen: int = 0) -> None:
-        """Take a round read at ``mod_revision``, unless it is older than the one held (a
+    def set_round(
+        self, round_: Round, mod_revision: int, seen: int = 0, at: tuple[int, int] = UNKNOWN
+    ) -> None:
+        """Take a round read at ``mod_revision`` (the key's ``at`` then: the compare-and-set
+        of the next write signs the one after it), unless it is older than the one held (a
         read that raced with a newer event or with our own publication)."""
         self.round_seen = max(self.round_seen, seen)
         if mod_revision < self.round_rev or (not mod_revision and self.round_rev):
             return
         self.round = round_
         self.round_rev = mod_revision
+        self.round_at = at
         self.probe_now.set()  # a new round: see its peers accept while they are alive
         self.cond.notify_all()
 
     def set_round_kv(self, kvs: list[KeyValue], seen: int = 0) -> None:
-        """:meth:`set_round` of a read of the round key (no key: no round)."""
+        """:meth:`set_round` of a read of the round key (no key: no round). A record not
+        signed for the very write it is read at (one written back) is no round."""
         if kvs:
-            kv = kvs[0]  # a newer write of an older round than the one held: replayed
-            held = self.round_rev if kv.mod_revision > self.round_rev else 0  # else: a late read
-            round_ = decode_round(kv.value, self.trust, kv.mod_revision, held)
-            self.set_round(round_, kv.mod_revision, seen)
+            kv = kvs[0]  # a deletion's event has no version: absent
+            self.set_round(round_of(kv, self.trust), kv.mod_revision, seen, written_at(kv))
         else:
             self.set_round(NO_ROUND, 0, seen)
 

@@ -11,7 +11,7 @@ from elastic.rendezvous.announce.records import (
     Round,
     Trust,
     decode_members,
-    decode_round,
+    round_of,
 )
 from elastic.rendezvous.keys import RunKeys
 from elastic.secret import shared_secret
@@ -31,7 +31,7 @@ def announce_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         return {"exists": False}
     secret = shared_secret()
     trust = Trust(secret, keys.round, keys.run_id) if secret is not None else None
-    round_ = decode_round(round_kvs[0].value, trust) if round_kvs else NO_ROUND
+    round_ = round_of(round_kvs[0], trust) if round_kvs else NO_ROUND
     leases = {kv.key[len(keys.members) :].decode(errors="replace"): kv.lease for kv in member_kvs}
     trusted = decode_members(member_kvs, keys.members, trust)
     members = [
