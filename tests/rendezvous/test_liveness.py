@@ -125,3 +125,21 @@ def test_a_recheck_probes_again_a_node_that_accepted_a_moment_ago() -> None:
     listener.close()
     assert detector.dead(node) == [], "without a recheck, the answer of a moment ago stands"
     assert detector.dead(node, recheck={"n"}) == ["n"]
+
+
+def test_a_suspect_that_still_accepts_is_probed_again_soon_after_a_wake_up() -> None:
+    # A killed agent's port accepts until its process is torn down: the closer, woken
+    # because a survivor asked for a new round, probes it again every 50 ms for a second,
+    # and only then falls back to the tick.
+    from elastic.rendezvous.announce.keeper import (
+        SUSPECT_REPROBE_S,
+        SUSPECT_WINDOW_S,
+        probe_wait,
+    )
+
+    woken = 100.0
+    fast_until = woken + SUSPECT_WINDOW_S
+    assert probe_wait(1.0, True, fast_until, woken + 0.01) == SUSPECT_REPROBE_S
+    assert probe_wait(1.0, True, fast_until, fast_until - 0.01) == pytest.approx(0.01)
+    assert probe_wait(1.0, True, fast_until, fast_until + 0.01) == 1.0  # the window passed
+    assert probe_wait(1.0, False, fast_until, woken + 0.01) == 1.0  # no suspect accepted
