@@ -293,7 +293,7 @@ def matches(
     with fs.open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)  # bytes: immutable, as the tree needs
-    return hmac.compare_digest(digest.hexdigest(), str(recorded))
+    return hmac.compare_digest(digest.hexdigest().encode(), str(recorded).encode())
 
 
 def digest_of(fs: fsspec.AbstractFileSystem, path: str, kind: str, chunk: int = 8 << 20) -> str:
