@@ -41,9 +41,10 @@ class Follower:
             heard = True
             with state.cond:
                 if index == 0:
-                    kv = batch[-1].kv
+                    kv, before = batch[-1].kv, state.round
                     state.set_round_kv([kv], kv.mod_revision)
-                    return True
+                    # The round key created empty (no round yet) changes nothing here: watch on.
+                    return state.round is not before
                 state.pred_seen = max(e.kv.mod_revision for e in batch)
                 pred_gone = any(e.deleted for e in batch)
                 return pred_gone
