@@ -59,8 +59,10 @@ race on one key, so a round costs O(N) writes per node. Here:
 
 etcd cost per node per round: a joiner makes one transaction and one watch; the closer
 adds one prefix read when it takes the role, one watch per wake and one publishing
-transaction. Keep-alives are one request per node per ``keep_alive_interval``,
-independent of rounds (counted apart in :attr:`AnnounceRendezvousHandler.keepalives`).
+transaction (and, in a run's first round, one that creates the round key empty: a signed
+round is never the key's first version, see records.py). Keep-alives are one request per
+node per ``keep_alive_interval``, independent of rounds (counted apart in
+:attr:`AnnounceRendezvousHandler.keepalives`).
 
 Both records are JSON, never unpickled. With a job secret (``$ELASTIC_SECRET_FILE``, the
 same file on every node) each is signed (:class:`.records.Trust`: HMAC-SHA256 over the key
@@ -69,7 +71,8 @@ written without the secret gets no rank (one warning and an ``rdzv.untrusted`` e
 key), and a round not signed by the job is refused (read as no round), so a forged
 ``closed`` flag ends nothing. Without a secret everything works as before, unsigned, and
 whoever can write etcd can join or forge a round: protect etcd with TLS and auth either way
-(a writer can still delete keys; a signed record written back is refused: see records.py).
+(a writer can still delete keys; a signed record written back is refused, each record being
+signed for the etcd write it is: see records.py).
 
 The modules, one concept each: :mod:`.records` (the two records, decoded once),
 :mod:`.policy` (the closer's rules and the agent's question, pure), :mod:`.state` (what a
