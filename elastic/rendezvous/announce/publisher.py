@@ -163,12 +163,16 @@ class Publisher:
             ``expired`` if our key is gone).
         """
         state, key, fence_high = self._state, self._keys.round, high_key(self._keys)
-        if not state.round_at[1] and not self._create_round_key():
-            return None
-        create, version = state.round_at
+        with state.cond:  # one snapshot: the signed version must be the compared one's next
+            round_rev, (create, version) = state.round_rev, state.round_at
+        if not version:
+            if not self._create_round_key():
+                return None
+            with state.cond:
+                round_rev, (create, version) = state.round_rev, state.round_at
         at = (create, version + 1)  # what this write makes of the key
         compares = [
-            compare_mod(key, state.round_rev),
+            compare_mod(key, round_rev),
             compare_created(self.key, state.create_rev),
         ]
         puts = [op_put(key, state.trust.seal(key, round_, at=at), self._run_lease.id())]
