@@ -237,7 +237,9 @@ for name, plant in planted.items():
     out[name] = save(name, key=name)
     planning.encode, manager._encode, manager.MAX_WIRE = encode, wire, 8 << 20
 out["after"] = save("after")  # the group is still in step
-print(json.dumps(out))
+dist.barrier()
+print(json.dumps(out), flush=True)
+os._exit(0)  # not gloo's teardown: it aborts a rank whose peer left first
 """
 
 
@@ -281,11 +283,12 @@ def test_two_gloo_ranks_save_and_load_through_the_driver_and_refuse_hostile_plan
         ("unknown", "The checkpoint planning message from rank 1 names the type 'posix.system'"),
         ("pickle", "Rank 1 sent a checkpoint message that is no JSON"),
         ("oversized", "announced a checkpoint message of"),
-        ("nested", "nest"),  # "nests too deeply", or "is no JSON (...nesting...)"
+        ("nested", "too deeply|recursion depth"),  # ours, or the manager's once it catches it
     ]:
         errors = {got[name] for got in results}
         assert len(errors) == 1, errors  # the same error on both ranks
-        assert why in errors.pop(), name
+        error = errors.pop()
+        assert any(part in error for part in why.split("|")), (name, error)
     # torch's own reader and dcp.load, without anything of ours imported, read those files
     loaded = run_without_elastic(
         "import json, torch, torch.distributed.checkpoint as dcp\n"

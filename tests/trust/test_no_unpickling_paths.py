@@ -320,7 +320,7 @@ def test_a_planted_call_in_a_module_fails_the_package_check(tmp_path: Path) -> N
 # -- what replaced the checkpoint manager's pickling collectives -----------------------------
 
 WORKER = r"""
-import json, sys
+import json, os, sys
 import torch.distributed as dist
 from elastic.checkpoint import manager
 from elastic.errors import CheckpointError
@@ -349,7 +349,9 @@ for name, data in planted.items():
     except CheckpointError as exc:
         out[name] = str(exc)
     manager._encode = encode
-print(json.dumps(out))
+dist.barrier()
+print(json.dumps(out), flush=True)
+os._exit(0)  # not gloo's teardown: it aborts a rank whose peer left first
 """
 
 
