@@ -5,7 +5,9 @@ A save has three phases:
 1. **stage** (blocking, on the training thread): copy the state into reused CPU
    buffers (:class:`~elastic.checkpoint.stager.Stager`);
 2. **write** (background thread): rank 0 checks the fence (if any) and picks a
-   fresh attempt directory; ``dcp.save`` of the staged copy goes there through
+   fresh attempt directory; DCP's save of the staged copy
+   (:func:`elastic.checkpoint.planning.save`: torch's files, no pickles between the
+   ranks) goes there through
    :class:`~elastic.checkpoint.storage.HashingWriter`, using the checkpoint
    process group (a dedicated gloo group: sharing DDP's default group between
    two threads deadlocks). Nothing is deleted to make room;
@@ -18,10 +20,11 @@ A save has three phases:
    (fenced, never newer than its own step).
 
 What the ranks tell each other (the step to load, the attempt, each rank's files and
-errors, the verdict) travels as length-prefixed JSON bytes in uint8 tensors, never as
-pickles: every rank decodes the same bytes and checks their size (at most
-:data:`MAX_WIRE` bytes per rank) and their shape before use, so a peer that sends
-something else makes every rank raise the same :class:`~elastic.errors.CheckpointError`.
+errors, the verdict, and DCP's plans) travels as length-prefixed JSON bytes in uint8
+tensors, never as pickles (:mod:`elastic.checkpoint.wire`,
+:mod:`elastic.checkpoint.planning`): every rank decodes the same bytes and checks their
+size and their shape before use, so a peer that sends something else makes every rank
+raise the same :class:`~elastic.errors.CheckpointError`.
 
 Loading tries the best complete step (one whose marker matches its etcd commit
 record first) and falls back to the next older one when a step cannot be read
@@ -46,7 +49,6 @@ still a failure.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -57,13 +59,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import events
 from elastic import secret as signing
+from elastic.checkpoint import planning
 from elastic.checkpoint.config import CheckpointConfig
 from elastic.checkpoint.digest import file_keys, kind_for
 from elastic.checkpoint.fence import CommitFence
@@ -88,6 +89,7 @@ from elastic.checkpoint.storage import (
     make_reader,
     probe_writable,
 )
+from elastic.checkpoint.wire import all_gather_json, broadcast_json
 from elastic.errors import CheckpointError, EtcdConnectionError
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,6 @@ _AUTO: Any = object()
 _WRITER_NICENESS = 10
 FENCE_TIMEOUT_S = 3.0  # how long a save waits for etcd to answer one fence call
 _SKIPPED = "skipped: "  # an outcome error with this prefix is a skipped save, not a failure
-MAX_WIRE = 8 << 20  # bytes of JSON one rank may send in one of the manager's collectives
 
 
 @dataclass
@@ -268,7 +269,7 @@ class CheckpointManager:
         state: dict[str, Any] = {}
         try:
             state = make_state()
-            dcp.load(
+            planning.load(
                 state,
                 storage_reader=make_reader(url, choice["metadata"]),
                 planner=SafeLoadPlanner(),
@@ -308,7 +309,7 @@ class CheckpointManager:
             try:
                 keys = file_keys(self.secret, self.run_id, step, attempt)
                 writer = HashingWriter(join(url, attempt), kind_for(keys is not None), keys)
-                dcp.save(
+                planning.save(
                     staged,
                     storage_writer=writer,
                     planner=FastSavePlanner(cache_key=self._plan_key),
@@ -626,106 +627,6 @@ def _root_cause(exc: BaseException) -> str:
         rank, (inner, _) = sorted(exc.failures.items())[0]
         return f"rank {rank}: {type(inner).__name__}: {inner}".splitlines()[0]
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
-
-
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    if group is None:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
-# -- the ranks' messages: bounded JSON in uint8 tensors, checked on receipt ------------------
-
-
-def broadcast_json(
-    value: Any, check: Callable[[Any, str], Any], group: dist.ProcessGroup | None = None
-) -> Any:
-    """Group rank 0's ``value`` (JSON-encodable) on every rank of ``group``, checked.
-
-    Two broadcasts: the length (one int64), then the bytes. Every rank, rank 0 included,
-    decodes and checks the same bytes, so every rank returns or raises alike.
-
-    Raises:
-        CheckpointError: the length is out of bounds, the bytes are no JSON, or ``check``
-            refuses the value.
-    """
-    src = _global_rank(group, 0)
-    device = _device(group)
-    mine = _encode(value) if dist.get_rank(group) == 0 else b""
-    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
-    n = _bounded(int(size.item()), 0)
-    data = _tensor(mine, n, device)
-    dist.broadcast(data, src=src, group=group)
-    return check(_decode(data, n, 0), "rank 0")
-
-
-def all_gather_json(
-    value: Any, check: Callable[[Any, str], Any], group: dist.ProcessGroup | None = None
-) -> list[Any]:
-    """Every rank's ``value`` (JSON-encodable), in group rank order, each checked.
-
-    Two all-gathers: the lengths (one int64 each), then the bytes padded to the longest.
-
-    Raises:
-        CheckpointError: a length is out of bounds, a rank's bytes are no JSON, or
-            ``check`` refuses a rank's value (on every rank alike).
-    """
-    device = _device(group)
-    world = dist.get_world_size(group)
-    mine = _encode(value)
-    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    lengths = [_bounded(int(s.item()), rank) for rank, s in enumerate(sizes)]
-    longest = max(lengths)
-    data = _tensor(mine, longest, device)
-    everyone = [torch.zeros_like(data) for _ in range(world)]
-    dist.all_gather(everyone, data, group=group)
-    return [
-        check(_decode(t, n, rank), f"rank {rank}")
-        for rank, (t, n) in enumerate(zip(everyone, lengths, strict=True))
-    ]
-
-
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where the messages' tensors live: the GPU for a pure NCCL group, else the CPU."""
-    if dist.get_backend(group) == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _encode(value: Any) -> bytes:
-    """``value`` as JSON bytes (one too long is refused by :func:`_bounded` on every rank)."""
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def _bounded(n: int, rank: int) -> int:
-    if not 0 <= n <= MAX_WIRE:
-        raise CheckpointError(
-            f"Rank {rank} announced a checkpoint message of {n} bytes, outside 0..{MAX_WIRE}; "
-            "it is not received: check that every node runs the same version."
-        )
-    return n
-
-
-def _tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
-    """``data`` in a uint8 tensor of ``size`` bytes (zero-padded; empty: a receive buffer)."""
-    out = torch.zeros(size, dtype=torch.uint8)
-    if data:
-        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return out.to(device)
-
-
-def _decode(t: torch.Tensor, n: int, rank: int) -> Any:
-    raw = t[:n].cpu().numpy().tobytes()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(
-            f"Rank {rank} sent a checkpoint message that is no JSON ({exc}); check that every "
-            "node runs the same version."
-        ) from exc
 
 
 def _refuse(sender: str, what: str, value: Any) -> CheckpointError:

@@ -7,7 +7,7 @@ member of the checkpoint group could run code in rank 0 (and rank 0 in everyone)
 :func:`save` and :func:`load` make the same planner and storage calls in the same order
 as torch 2.14's ``_save_state_dict`` and ``_load_state_dict`` (the coordinator is group
 rank 0), but every value that crosses ranks is JSON from a restricted codec, sent with
-the checkpoint manager's bounded ``all_gather_json`` / ``broadcast_json``:
+the bounded ``all_gather_json`` / ``broadcast_json`` of :mod:`elastic.checkpoint.wire`:
 
 * :func:`encode` / :func:`decode` know exactly the planning types of torch 2.14
   (:data:`CLASSES`: plans, their items, indices, chunk and tensor properties, write
@@ -16,7 +16,7 @@ the checkpoint manager's bounded ``all_gather_json`` / ``broadcast_json``:
   key/value pairs (keys of any allowed type). Anything else, a wrong number of fields,
   a value of the wrong type, an integer outside int64, nesting deeper than
   :data:`MAX_DEPTH` is a :class:`~elastic.errors.CheckpointError` in one sentence;
-  a message is at most the manager's ``MAX_WIRE`` (8 MiB) per rank. ResNet-18's
+  a message is at most ``wire.MAX_WIRE`` (8 MiB) per rank. ResNet-18's
   save plan (195 items with SGD's momentum) is 43 KB of JSON, some 220 bytes a
   tensor, so the cap fits models of up to about 35k tensors (every rank plans every
   replicated tensor; the coordinator's reply holds each item once).
@@ -78,6 +78,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from elastic.checkpoint.wire import all_gather_json, broadcast_json
 from elastic.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -659,16 +660,12 @@ class _Ranks:
         """Every rank's outcome, in rank order (checked alike on every rank)."""
         if not self.distributed:
             return [_envelope(outcome, "rank 0")]
-        from elastic.checkpoint.manager import all_gather_json
-
         return _translated(lambda: all_gather_json(outcome, _envelope, self.group))
 
     def broadcast(self, verdict: dict[str, Any] | None) -> dict[str, Any]:
         """The coordinator's verdict on every rank (checked alike on every rank)."""
         if not self.distributed:
             return _envelope(verdict, "rank 0")
-        from elastic.checkpoint.manager import broadcast_json
-
         return _translated(lambda: broadcast_json(verdict, _envelope, self.group))
 
     def reduce(

@@ -188,7 +188,7 @@ WORKER = r"""
 import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from elastic.checkpoint import manager, planning
+from elastic.checkpoint import planning, wire
 from elastic.checkpoint.storage import FastSavePlanner, HashingWriter, SafeLoadPlanner, make_reader
 from elastic.errors import CheckpointError
 from tests.checkpoint.conftest import assert_same_bytes, make_state, zeros_like
@@ -223,19 +223,19 @@ out["cached"] = save("cached")  # DCP's plan cache: unusable plans, the cached g
 out["local"] = load("cached", SafeLoadPlanner())
 out["exchange"] = load("first", Exchanging())
 
-encode, wire = planning.encode, manager._encode
+encode, sender = planning.encode, wire._encode
 evil = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()  # runs `touch` when unpickled
 planted = {
     "unknown": lambda: setattr(planning, "encode", lambda v, d=0: ["posix.system", "touch"]),
-    "pickle": lambda: setattr(manager, "_encode", lambda v: evil),
-    "oversized": lambda: setattr(manager, "MAX_WIRE", 1024),
-    "nested": lambda: setattr(manager, "_encode", lambda v: b"[" * 100000),
+    "pickle": lambda: setattr(wire, "_encode", lambda v: evil),
+    "oversized": lambda: setattr(wire, "MAX_WIRE", 1024),
+    "nested": lambda: setattr(wire, "_encode", lambda v: b"[" * 100000),
 }
 for name, plant in planted.items():
     if rank == 1 or name == "oversized":
         plant()
     out[name] = save(name, key=name)
-    planning.encode, manager._encode, manager.MAX_WIRE = encode, wire, 8 << 20
+    planning.encode, wire._encode, wire.MAX_WIRE = encode, sender, 8 << 20
 out["after"] = save("after")  # the group is still in step
 dist.barrier()
 print(json.dumps(out), flush=True)
@@ -283,7 +283,7 @@ def test_two_gloo_ranks_save_and_load_through_the_driver_and_refuse_hostile_plan
         ("unknown", "The checkpoint planning message from rank 1 names the type 'posix.system'"),
         ("pickle", "Rank 1 sent a checkpoint message that is no JSON"),
         ("oversized", "announced a checkpoint message of"),
-        ("nested", "too deeply|recursion depth"),  # ours, or the manager's once it catches it
+        ("nested", "too deeply|recursion depth"),  # ours, or wire's
     ]:
         errors = {got[name] for got in results}
         assert len(errors) == 1, errors  # the same error on both ranks

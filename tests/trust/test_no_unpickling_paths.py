@@ -83,15 +83,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     "constructors",
 }
 
-# The manager's two DCP calls, which the diff in issue 18's report (item 1) moves onto
-# elastic.checkpoint.planning; tolerated until then, and an error once they are gone (then
-# empty this set).
-PENDING: frozenset[tuple[str, str, str]] = frozenset(
-    {
-        ("elastic/checkpoint/manager.py", "CheckpointManager._write", "dcp.save"),
-        ("elastic/checkpoint/manager.py", "CheckpointManager._load_one", "dcp.load"),
-    }
-)
+# DCP calls tolerated until a pending change moves them onto elastic.checkpoint.planning
+# (an error once they are gone); none now.
+PENDING: frozenset[tuple[str, str, str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -322,7 +316,7 @@ def test_a_planted_call_in_a_module_fails_the_package_check(tmp_path: Path) -> N
 WORKER = r"""
 import json, os, sys
 import torch.distributed as dist
-from elastic.checkpoint import manager
+from elastic.checkpoint import manager, wire
 from elastic.errors import CheckpointError
 
 rank, path = int(sys.argv[1]), sys.argv[2]
@@ -333,22 +327,22 @@ out = {
     "gather": manager.all_gather_json(mine, manager._result),
     "broadcast": manager.broadcast_json(step if rank == 0 else None, manager._choice),
 }
-encode = manager._encode
+encode = wire._encode
 planted = {
     "pickle": b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00K\x01.",  # pickle.dumps(1)
     "shape": json.dumps({"ok": "yes", "error": 1, "files": []}).encode(),
     "oversized": b" " * 2048,
 }
-manager.MAX_WIRE = 1024
+wire.MAX_WIRE = 1024
 for name, data in planted.items():
     if rank == 1:
-        manager._encode = lambda value, data=data: data
+        wire._encode = lambda value, data=data: data
     try:
         manager.all_gather_json(mine, manager._result)
         out[name] = "accepted"
     except CheckpointError as exc:
         out[name] = str(exc)
-    manager._encode = encode
+    wire._encode = encode
 dist.barrier()
 print(json.dumps(out), flush=True)
 os._exit(0)  # not gloo's teardown: it aborts a rank whose peer left first
