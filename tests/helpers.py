@@ -116,3 +116,29 @@ def run_node(
         tail = node.output()[-3000:]
         raise AssertionError(f"node {name} still ran after {timeout} s:\n{tail}") from None
     return code, node.output()
+
+
+def run_ranks(code: str, *args: str, world: int = 2, timeout: float = 150) -> list[Any]:
+    """Run ``python -c code RANK *args`` for ranks 0..world-1 at once (this checkout on the
+    path, one thread each); every rank must exit 0 and print its result as JSON on its last
+    line, which is returned in rank order."""
+    import json
+
+    environ = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+            cwd=REPO,
+        )
+        for rank in range(world)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.splitlines()[-1]))
+    return results

@@ -10,9 +10,6 @@ class, a pickle, an oversized message) fails that save on both ranks without run
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,7 @@ from elastic.checkpoint.planning import decode, encode
 from elastic.checkpoint.storage import FastSavePlanner, HashingWriter
 from elastic.errors import CheckpointError
 from tests.checkpoint.conftest import make_state, run_without_elastic
-from tests.helpers import REPO
+from tests.helpers import run_ranks
 
 
 def _roundtrip(value: Any) -> Any:
@@ -244,25 +241,8 @@ os._exit(0)  # not gloo's teardown: it aborts a rank whose peer left first
 
 
 def _run_ranks(tmp_path: Path) -> list[dict[str, Any]]:
-    environ = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     argv = [str(tmp_path / "store"), str(tmp_path / "ckpt"), str(tmp_path / "pwned")]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(rank), *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=environ,
-            cwd=REPO,
-        )
-        for rank in (0, 1)
-    ]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=150)
-        assert p.returncode == 0, err[-3000:]
-        results.append(json.loads(out.splitlines()[-1]))
-    return results
+    return run_ranks(WORKER, *argv, timeout=150)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_ranks
 
 PACKAGE = REPO / "elastic"
 
@@ -353,28 +353,7 @@ os._exit(0)  # not gloo's teardown: it aborts a rank whose peer left first
 def test_the_checkpoint_messages_are_checked_json_on_every_rank(tmp_path: Path) -> None:
     """Two real gloo ranks: what they exchange round-trips, and a pickle, a wrong shape or
     an oversized length sent by one rank is refused on both, in one sentence each."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    environ = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    store = tmp_path / "store"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(rank), str(store)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=environ,
-        )
-        for rank in (0, 1)
-    ]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-2000:]
-        results.append(json.loads(out.splitlines()[-1]))
+    results = run_ranks(WORKER, str(tmp_path / "store"), timeout=120)
     for rank, got in enumerate(results):
         assert [r["files"] for r in got["gather"]] == [
             {f"__{r}_0.distcp": {"size": 3, "crc32": "0a"}} for r in (0, 1)
