@@ -9,6 +9,7 @@ import multiprocessing
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from elastic.agent.node import NodeAgent
+from elastic.rendezvous.contract import ChangeKind, MembershipChange
 from tests.helpers import kill_pid
 
 LONG_S = 30.0  # the monitor interval under test: a wait that ran it out failed
@@ -79,3 +81,60 @@ def test_running_workers_keep_the_interval(command_worker: subprocess.Popen[byte
 
 def test_without_workers_the_wait_is_torchs_sleep() -> None:
     assert timed_wait(bare_agent(None), 0.2) >= 0.2
+
+
+class _Handler:
+    """A MembershipHandler whose membership change the test sets (in place, no etcd)."""
+
+    hosts_round_store = True
+
+    def __init__(self) -> None:
+        self.change: MembershipChange | None = None
+
+    def membership_change(self) -> MembershipChange | None:
+        return self.change
+
+    def request_reform(self) -> None: ...
+    def leave(self, timeout: float = 10.0) -> None: ...
+    def record_failed_round(self) -> int | None:
+        return None
+
+    def get_run_id(self) -> str:
+        return "monitor"
+
+    def is_closed(self) -> bool:
+        return False
+
+    def round_view(self) -> tuple[int, int, int]:
+        return (1, 0, 0)
+
+    def fence(self) -> str:
+        return ""
+
+
+def in_place_agent(handler: _Handler) -> NodeAgent:
+    agent = bare_agent(None)
+    spec = SimpleNamespace(rdzv_handler=handler)
+    agent._worker_group = SimpleNamespace(spec=spec, workers=[])  # type: ignore[assignment]
+    return agent
+
+
+def test_in_place_a_new_membership_change_ends_the_wait() -> None:
+    # A planned leave: the peer's key is gone, the workers will wait on it in their next
+    # collective; the agent must not sleep out its interval first.
+    handler = _Handler()
+    agent = in_place_agent(handler)
+    lost = MembershipChange(ChangeKind.PEERS_LOST, 1, ("n2",))
+    timer = threading.Timer(0.2, lambda: setattr(handler, "change", lost))
+    timer.start()
+    try:
+        took = timed_wait(agent)
+    finally:
+        timer.cancel()
+    assert 0.2 <= took < LONG_S / 3
+
+
+def test_in_place_a_change_already_seen_keeps_the_interval() -> None:
+    handler = _Handler()
+    handler.change = MembershipChange(ChangeKind.JOINERS, 1, waiting=1)  # torch acts on it
+    assert timed_wait(in_place_agent(handler), 0.3) >= 0.3
