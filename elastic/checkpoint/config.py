@@ -10,16 +10,31 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
-class CheckpointConfig(BaseModel):
+INT64_MAX = 2**63 - 1  # every whole number of a config fits torch's int64 (steps go in tensors)
+
+
+class BoundedModel(BaseModel):
+    """A config section: unknown fields, inf and nan refused, whole numbers within int64."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _int64(self) -> BoundedModel:
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if type(value) is int and not -INT64_MAX <= value <= INT64_MAX:
+                raise ValueError(f"{name} = {value} does not fit in 64 bits; use a smaller number")
+        return self
+
+
+class CheckpointConfig(BoundedModel):
     """Where and how often checkpoints are written (the ``checkpoint:`` section of a worker
     config; :class:`elastic.Run` takes one as ``checkpoint=``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     url: str = "runs/checkpoints"
     interval: int = Field(50, ge=1, description="save every N steps")

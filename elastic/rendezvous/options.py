@@ -79,6 +79,11 @@ ALGORITHMS = (SINGLE_KEY, ANNOUNCE)
 _IGNORED = frozenset({"timeout", "rank", "is_host"})
 
 
+# The largest number any option takes (about 115 days in seconds): beyond it a value is a
+# typo, and inf/nan (which float() accepts) are never meant.
+MAX_OPTION_VALUE = 10_000_000
+
+
 @dataclass(frozen=True)
 class RendezvousOptions:
     """Every option of the ``etcd-v3`` rendezvous, with its one default."""
@@ -130,6 +135,13 @@ class RendezvousOptions:
                 raise ConfigError(
                     f"The rendezvous option {name}={getattr(self, name)} must be "
                     "a positive number; fix --rdzv-conf."
+                )
+        for f in fields(self):  # every number: finite, not negative, within a sane bound
+            value = getattr(self, f.name)
+            if isinstance(value, int | float) and not 0 <= value <= MAX_OPTION_VALUE:
+                raise ConfigError(
+                    f"The rendezvous option {f.name}={value} is out of range: use a number "
+                    f"from 0 to {MAX_OPTION_VALUE:g} (seconds, or a count); fix --rdzv-conf."
                 )
         window = self.keep_alive_interval * self.keep_alive_max_attempt
         if (

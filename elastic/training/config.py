@@ -22,18 +22,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from elastic import env, runid
-from elastic.checkpoint.config import CheckpointConfig, validate_url
+from elastic.checkpoint.config import BoundedModel, CheckpointConfig, validate_url
 from elastic.errors import ConfigError
 
 _SECTION_ENV = re.compile(rf"^{env.CONFIG_PREFIX}([A-Z0-9_]+?)__([A-Z0-9_]+)$")
 TINY_MODELS = ("tiny_cnn",)
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Section(BoundedModel):
+    """A section of the worker's config (unknown fields, inf/nan and numbers beyond int64
+    refused: :class:`~elastic.checkpoint.config.BoundedModel`)."""
 
 
 class JobConfig(_Section):
@@ -57,7 +58,10 @@ class JobConfig(_Section):
     progress_bar: bool = True
     sample_ledger: bool = Field(False, description="log every rank's sample indices per step")
     min_step_s: float = Field(
-        0.0, ge=0, description="pace steps to at least this long (slow motion for demos/tests)"
+        0.0,
+        ge=0,
+        le=3600,
+        description="pace steps to at least this long (slow motion for demos/tests)",
     )
 
     @field_validator("run_id")
@@ -157,8 +161,8 @@ class DistributedConfig(_Section):
     """Process-group settings."""
 
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    timeout_s: float = Field(300.0, gt=0.0)
-    checkpoint_timeout_s: float = Field(600.0, gt=0.0)
+    timeout_s: float = Field(300.0, gt=0.0, le=10_000_000)
+    checkpoint_timeout_s: float = Field(600.0, gt=0.0, le=10_000_000)
 
 
 class Config(_Section):

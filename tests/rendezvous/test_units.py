@@ -85,6 +85,11 @@ def test_options_have_one_set_of_defaults_and_a_fast_failover_profile() -> None:
         ({"keep_alive_max_attempt": "2.5"}, "is not a whole number"),
         ({"profile": "turbo"}, "profile 'turbo' is unknown"),
         ({"keepalive_interval": "1"}, "Unknown rendezvous option"),
+        # numbers at their limits (issue 18): float() takes inf and nan
+        ({"last_call_timeout": "nan"}, "last_call_timeout=nan is out of range"),
+        ({"close_timeout": "-1"}, "close_timeout=-1.0 is out of range"),
+        ({"keep_alive_interval": "inf"}, "keep_alive_interval=inf is out of range"),
+        ({"ttl": "9223372036854775808"}, "ttl=9223372036854775808 is out of range"),
     ],
 )
 def test_bad_options_are_one_sentence(conf: dict[str, str], message: str) -> None:

@@ -49,6 +49,13 @@ def test_layers_file_then_env_then_cli() -> None:
         (["checkpoint.url=nosuchfs://bucket/x"], "unknown storage protocol 'nosuchfs'"),
         (["data.micro_batch_size=64", "data.global_batch_size=32"], "must not exceed"),
         (["optimizer.schedule=linear"], "optimizer.schedule = 'linear' is invalid"),
+        # numbers at their limits (issue 18): inf, nan, beyond int64, beyond a sane timeout
+        (["optimizer.lr=inf"], "optimizer.lr = 'inf' is invalid: Input should be a finite"),
+        (["optimizer.lr=nan"], "optimizer.lr = 'nan' is invalid: Input should be a finite"),
+        (["job.max_steps=9223372036854775808"], "max_steps = 9223372036854775808 does not fit"),
+        (["checkpoint.interval=9223372036854775808"], "interval = 9223372036854775808 does not"),
+        (["distributed.timeout_s=1e308"], "distributed.timeout_s = '1e308' is invalid"),
+        (["job.min_step_s=inf"], "job.min_step_s = 'inf' is invalid"),
     ],
 )
 def test_bad_values_name_file_field_value(overrides: list[str], needle: str) -> None:
