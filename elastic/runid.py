@@ -21,6 +21,8 @@ from elastic import env
 from elastic.errors import ConfigError
 
 DEFAULT = "local"
+# A run id names one directory (255 bytes on most filesystems); room for what tools add.
+MAX_LENGTH = 200
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -34,12 +36,13 @@ def resolve(
     rdzv = (os.environ if environ is None else environ).get(env.RUN_ID, "")
     if not rdzv or _UUID.match(rdzv.lower()):
         return default
-    if rdzv in (".", "..") or not _NAME.match(rdzv):
+    if rdzv in (".", "..") or not _NAME.match(rdzv) or len(rdzv) > MAX_LENGTH:
         raise ConfigError(
             f"The rendezvous id {rdzv!r} cannot name a checkpoint directory; choose a run id "
-            "(job.run_id, or Run(run_id=...)) of letters, digits, '.', '_' and '-'."
+            f"(job.run_id, or Run(run_id=...)) of up to {MAX_LENGTH} letters, digits, '.', '_' "
+            "and '-'."
         )
     return rdzv
 
 
-__all__ = ["DEFAULT", "resolve"]
+__all__ = ["DEFAULT", "MAX_LENGTH", "resolve"]

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from elastic import runid
+from elastic import env, runid
 from elastic.errors import ConfigError
 
 
@@ -45,3 +45,13 @@ def test_run_under_standalone_keeps_one_id(monkeypatch: pytest.MonkeyPatch) -> N
         assert run.run_id == "local"
     finally:
         run.close()
+
+
+def test_a_run_id_too_long_for_a_directory_name_is_one_sentence() -> None:
+    from elastic.checkpoint.layout import validate_run_id
+
+    assert validate_run_id("a" * runid.MAX_LENGTH)
+    with pytest.raises(ConfigError, match="201 characters long"):
+        validate_run_id("a" * (runid.MAX_LENGTH + 1))
+    with pytest.raises(ConfigError, match="cannot name a checkpoint directory"):
+        runid.resolve(None, {env.RUN_ID: "b" * 300})

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import fsspec
 
-from elastic import env
+from elastic import env, runid
 from elastic import secret as signing
 from elastic.checkpoint.digest import KEYED, STRONG, FileKeys, matches, recorded_kind
 from elastic.checkpoint.storage import (
@@ -102,6 +102,11 @@ def validate_run_id(run_id: str) -> str:
         raise ConfigError(
             f"The run id {run_id!r} is invalid: it names a checkpoint directory, so it must "
             "be a non-empty name other than '.' or '..' without '/'."
+        )
+    if len(run_id.encode(errors="replace")) > runid.MAX_LENGTH:
+        raise ConfigError(
+            f"The run id {run_id[:40]!r}... is {len(run_id)} characters long: it names a "
+            f"directory, so use at most {runid.MAX_LENGTH}."
         )
     if "\0" in run_id or "\\" in run_id:
         raise ConfigError(

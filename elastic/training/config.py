@@ -43,6 +43,7 @@ class JobConfig(_Section):
     run_id: str = Field(
         "default",
         min_length=1,
+        max_length=runid.MAX_LENGTH,
         pattern=r"^[A-Za-z0-9_.\-]+$",
         description="checkpoint run id; unset or 'default' under an agent: the rendezvous id",
     )
