@@ -51,7 +51,7 @@ def test_a_run_id_too_long_for_a_directory_name_is_one_sentence() -> None:
     from elastic.checkpoint.layout import validate_run_id
 
     assert validate_run_id("a" * runid.MAX_LENGTH)
-    with pytest.raises(ConfigError, match="201 characters long"):
+    with pytest.raises(ConfigError, match="201 bytes long"):
         validate_run_id("a" * (runid.MAX_LENGTH + 1))
     with pytest.raises(ConfigError, match="cannot name a checkpoint directory"):
         runid.resolve(None, {env.RUN_ID: "b" * 300})

@@ -103,10 +103,11 @@ def validate_run_id(run_id: str) -> str:
             f"The run id {run_id!r} is invalid: it names a checkpoint directory, so it must "
             "be a non-empty name other than '.' or '..' without '/'."
         )
-    if len(run_id.encode(errors="replace")) > runid.MAX_LENGTH:
+    size = len(run_id.encode(errors="replace"))
+    if size > runid.MAX_LENGTH:
         raise ConfigError(
-            f"The run id {run_id[:40]!r}... is {len(run_id)} characters long: it names a "
-            f"directory, so use at most {runid.MAX_LENGTH}."
+            f"The run id {run_id[:40]!r}... is {size} bytes long: it names a directory, so "
+            f"use at most {runid.MAX_LENGTH}."
         )
     if "\0" in run_id or "\\" in run_id:
         raise ConfigError(
