@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 # torch elastic: opt out of the agent-hosted shared TCPStore (see elastic.rendezvous.registry).
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -31,3 +33,14 @@ SNAPSHOT_OWNER = "ELASTIC_SNAPSHOT_OWNER"  # the agent pid whose node the snapsh
 SNAPSHOT_BACKGROUND = "ELASTIC_SNAPSHOT_BACKGROUND"  # 1/0: copy snapshots in a background thread
 CHANNEL = "ELASTIC_CHANNEL"  # path prefix of the agent <-> worker files for in-place re-forms
 IN_PLACE = "ELASTIC_IN_PLACE"  # 0 = never re-form a running worker in place (see elastic.inplace)
+
+_OFF = ("0", "false", "no", "off")
+
+
+def flag(name: str, default: bool = True) -> bool:
+    """An on/off environment flag: ``0``, ``false``, ``no`` or ``off`` (any case) is off;
+    any other value is on; unset is ``default``. The one parse of every flag here."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw.strip().lower() not in _OFF

@@ -119,8 +119,7 @@ class NodeAgent(LocalElasticAgent):
 
     def _offers_in_place(self) -> bool:
         handler = self._worker_group.spec.rdzv_handler
-        off = os.environ.get(env.IN_PLACE, "1").strip().lower() in ("0", "false", "no", "off")
-        return not off and isinstance(handler, MembershipHandler) and handler.hosts_round_store
+        return env.flag(env.IN_PLACE) and isinstance(handler, MembershipHandler) and handler.hosts_round_store
 
     def _round(self) -> int:
         handler = self._handler()

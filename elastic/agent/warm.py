@@ -110,7 +110,7 @@ _told: set[str] = set()  # the cold-start reasons already logged
 
 def enabled() -> bool:
     """Whether warm starts are on (``ELASTIC_WARM_START=0`` turns them off)."""
-    return os.environ.get(env.WARM_START, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.flag(env.WARM_START)
 
 
 def start_server() -> None:

@@ -27,7 +27,7 @@ _alone = False  # set by elastic.init_process_group: this process's group awaits
 
 def offered() -> bool:
     """Whether this worker's agent offers in-place re-forms (an agent's channel, not off)."""
-    if os.environ.get(env.IN_PLACE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env.flag(env.IN_PLACE):
         return False
     return bool(os.environ.get(env.CHANNEL))
 
