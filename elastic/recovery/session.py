@@ -187,6 +187,8 @@ class Run:
 
     def _reset_loop_state(self) -> None:
         self._in_batches = False
+        self._dealt = False  # the current epoch's body ran through batches()
+        self._job_stopped = False  # every rank stopped at the last agreement
         self._stop = False
         self._signalled = False
         self._reform_only = False  # our agent stops us to re-form (elastic.reform)
@@ -239,14 +241,26 @@ class Run:
         self._complete()
 
     def epochs(self, total: int) -> Iterator[int]:
-        """Yield the epochs still to run (the first one may be resumed mid-way)."""
+        """Yield the epochs still to run (the first one may be resumed mid-way).
+
+        Raises:
+            RecoveryError: an epoch's body left the epoch counter anywhere but on the next
+                epoch (the loop would skip epochs and end early, silently).
+        """
         while self.epoch < total:
             epoch = self.epoch
             if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
                 self.sampler.set_epoch(epoch)
+            self._dealt = False
             yield epoch
-            if self.epoch == epoch:  # the body did not run through batches()
+            if not self._dealt:  # the body did not run through batches()
                 self.epoch, self.consumed = epoch + 1, 0
+            elif self.epoch != epoch + 1:
+                raise RecoveryError(
+                    f"Epoch {epoch} ended with the epoch counter at {self.epoch} (step "
+                    f"{self.step}); the loop stops rather than skip epochs. This is a bug: "
+                    "please report it with the worker's log."
+                )
         self._complete()
 
     def batches(self, loader: Iterable[B]) -> Iterator[B]:
@@ -257,6 +271,8 @@ class Run:
             self.sampler.set_epoch(self.epoch)
             self.sampler.consumed = self.consumed
         self._loader = loader
+        self._dealt = True
+        epoch = self.epoch
         self._set_batch()
         self._jit.restart_clock()
         with self._failures("batches"):
@@ -269,7 +285,7 @@ class Run:
                     break
                 except _Reform:
                     self._reform()
-                    self._deal_rest()
+                    self._deal_rest(epoch)
             self._in_batches = False
         self.epoch, self.consumed = self.epoch + 1, 0
 
@@ -308,8 +324,19 @@ class Run:
             return
         self._batch = int(getattr(loader, "batch_size", 0) or 0)
 
-    def _deal_rest(self) -> None:
-        """After a re-form mid-epoch: deal the epoch's remaining samples to the new group."""
+    def _deal_rest(self, epoch: int) -> None:
+        """After a re-form in epoch ``epoch``: deal its remaining samples to the new group.
+
+        The state the group agreed on (a rewound step, a peer's) may be the boundary kept
+        at the end of the previous epoch: its last step's, taken before the loop moved on
+        to ``epoch`` (``epoch - 1``, every sample consumed). It is the same point as
+        ``epoch`` with nothing consumed, and is taken as such: dealt as it stands, the
+        epoch would find nothing left and the epoch loop would skip one (issue 25).
+
+        Raises:
+            RecoveryError: the agreed state is of another epoch still (a bug).
+        """
+        self.epoch, self.consumed = rolled_over(self.epoch, self.consumed, epoch, self.step)
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self.epoch)
             self.sampler.consumed = self.consumed
@@ -689,9 +716,11 @@ class Run:
             self._checkpoints.save(self.step, self._persist_state())
             self._last_saved = self.step
         if stop:
+            if self._job_stopped and self.rank == 0:
+                events.emit("job.stopped", step=self.step, reason=self._stop_reason())
             self._complete(persist=self._persist_on_stop)
             self._teardown_groups()
-            if self._signalled:
+            if self._signalled or (self._member is not None and self._member.leaving):
                 logger.info("Stopped at step %d on request; exiting.", self.step)
                 raise SystemExit(reform.OK)
             logger.info("A peer asked the group to stop at step %d; exiting to re-form.", self.step)
@@ -731,6 +760,7 @@ class Run:
             dist.all_reduce(flags, group=self._ctl)
         self._agreed(flags)
         self._persist_on_stop = bool(flags[1].item())
+        self._job_stopped = int(flags[0].item()) == self.world_size
         return bool(flags[0].item())
 
     def _agree_in_place(self) -> bool:
@@ -753,6 +783,7 @@ class Run:
             self._fall_back(RecoveryError("This rank cannot reach the new round's store."))
         self._persist_on_stop = True
         if any_stop and all_stop:
+            self._job_stopped = True
             return True
         if any_stop and (self._stop or member.leaving):
             self._leave()
@@ -774,6 +805,11 @@ class Run:
             self._member.close()
         groups.drop_world()
         raise SystemExit(reform.OK)
+
+    def _stop_reason(self) -> str:
+        if self._signalled:
+            return "every rank was stopped (SIGTERM/SIGINT)"
+        return "every node left the job"
 
     def _persist_vote(self) -> bool:
         """Yes unless our agent stops us to re-form and keeps our memory snapshot."""
@@ -857,6 +893,23 @@ def _gloo_group() -> dist.ProcessGroup:
     group = dist.new_group(backend="gloo")
     assert isinstance(group, dist.ProcessGroup)
     return group
+
+
+def rolled_over(state_epoch: int, consumed: int, loop_epoch: int, step: int) -> tuple[int, int]:
+    """``(epoch, consumed)`` of a state applied inside epoch ``loop_epoch``: the state of
+    the previous epoch's last boundary is ``loop_epoch``'s start.
+
+    Raises:
+        RecoveryError: the state is of any other epoch.
+    """
+    if state_epoch == loop_epoch:
+        return state_epoch, consumed
+    if state_epoch == loop_epoch - 1:
+        return loop_epoch, 0
+    raise RecoveryError(
+        f"The state agreed on at step {step} is of epoch {state_epoch}, but the loop is in "
+        f"epoch {loop_epoch}; the run stops rather than skip or repeat epochs."
+    )
 
 
 def _exact(sampler: Any) -> Any:

@@ -9,12 +9,15 @@ fault-free reference).
 Constructed failures (each once per job, marked by a file in ``<out>``):
 ``--fail-in-step=R:S`` makes rank R fail inside ``optimizer.step()`` at step S, after it
 changed a parameter (a half-applied step); ``--break-store=R`` cuts rank R off every
-round's store from its first re-form on (its in-place re-form fails: it restarts).
+round's store from its first re-form on (its in-place re-form fails: it restarts);
+``--leave-at=R:S`` makes rank R's node leave (SIGTERM to its agent) inside step S, before
+the step's all-reduce: the others' step S fails and is redone without it.
 """
 
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -51,6 +54,8 @@ def main() -> None:
     p.add_argument("--ckpt", default=None)
     p.add_argument("--fail-in-step", default=None, metavar="RANK:STEP")
     p.add_argument("--break-store", type=int, default=None, metavar="RANK")
+    p.add_argument("--leave-at", default=None, metavar="RANK:STEP")
+    p.add_argument("--ckpt-every", type=int, default=50)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -74,12 +79,14 @@ def main() -> None:
         scheduler,
         sampler,
         checkpoint_url=args.ckpt,
+        checkpoint_every=args.ckpt_every,
         global_batch_size=args.global_batch,
     )
     if args.fail_in_step:
         _fail_in_step(optimizer, net, run, out, *map(int, args.fail_in_step.split(":")))
     if args.break_store is not None and run.rank == args.break_store:
         _break_store(out)
+    leave = tuple(map(int, args.leave_at.split(":"))) if args.leave_at else None
     with open(out / "steps.jsonl", "a", buffering=1) as log:
         for _epoch in run.epochs(args.epochs):
             for x, y, idx in run.batches(loader):
@@ -91,6 +98,8 @@ def main() -> None:
                     "pid": os.getpid(),
                     "idx": idx.tolist(),
                 }
+                if leave is not None and (run.rank, run.step) == leave:
+                    _leave_now(run, out)
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
@@ -115,6 +124,24 @@ def _fail_in_step(optimizer, net, run, out: Path, rank: int, step: int) -> None:
             raise RuntimeError("constructed failure inside optimizer.step()")
 
     optimizer.register_step_pre_hook(pre_hook)  # after Run's: its step counts as started
+
+
+def _leave_now(run, out: Path) -> None:
+    """SIGTERM to this node's agent, then hold the step until its word reached this worker
+    (its step's all-reduce is then refused, and the others' fails): once per job."""
+    marker = out / "left"
+    if marker.exists():
+        return
+    marker.touch()
+    os.kill(int(os.environ["ELASTIC_SNAPSHOT_OWNER"]), signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not run.stopped_by_signal and not _told_to_leave(run) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _told_to_leave(run) -> bool:
+    member = getattr(run, "_member", None)  # test-only peek: the agent's leave reached us
+    return bool(member is not None and member.leaving)
 
 
 def _break_store(out: Path) -> None:
