@@ -85,6 +85,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -109,7 +110,9 @@ from elastic.harness.cluster import (
     pythonpath,
     start_pair,
 )
-from elastic.procs import descendants
+from elastic.inplace import channel
+from elastic.procs import WORKER_NAME, descendants, started_at
+from elastic.procs import name as proc_name
 from elastic.rendezvous.options import FAST_FAILOVER_CONF
 
 if REPO is None:  # not expected: sys.path starts with this checkout
@@ -142,6 +145,16 @@ LAUNCHERS = {  # name -> how its nodes start
     "plain-cold": AgentOptions(**_COMMON),
 }
 PLAIN_SCRIPT = str(REPO / "tests" / "scripts" / "plain_ddp.py")
+# The torchft comparison's job (bench/torchft_user.py is its torchft version): a 16-32-2 MLP,
+# AdamW, a cosine schedule, a global batch of 12 out of 1200 samples, on elastic.Run in place.
+MLP_SCRIPT = str(REPO / "tests" / "scripts" / "inplace_user.py")
+MLP_ARGS = ["--epochs=1000", "--samples=1200", "--global-batch=12"]
+# torchft: the same job (bench/torchft_user.py) under a Lighthouse tuned like our
+# fast-failover profile (and its gloo timeout at the same 3 s), or with torchft's defaults
+# (Lighthouse heartbeat 5 s, join timeout 60 s, 100 ms tick; gloo 5 s as in its example).
+TORCHFT = ("torchft", "torchft-default")
+TORCHFT_PG_TIMEOUT_S = {"torchft": 3.0, "torchft-default": 5.0}
+LAUNCHERS["mlp-inplace"] = AgentOptions(**_COMMON)
 
 
 # A user's own script on elastic.Run (examples/train_ddp.py), paced like our worker:
@@ -151,13 +164,17 @@ SCRIPTS = {"user-inplace": [*USER_SCRIPT, "--in-place"], "user-restart": USER_SC
 
 
 def make_cluster(name: str, run_dir: Path, step_s: float = MIN_STEP_S) -> LocalCluster:
-    """A cluster of launcher ``name`` in ``run_dir`` (ours: with its own etcd), every
-    worker paced at ``step_s`` seconds a step."""
+    """A cluster of launcher ``name`` in ``run_dir`` (ours: with its own etcd; torchft: with
+    its own Lighthouse), every worker paced at ``step_s`` seconds a step."""
+    if name in TORCHFT:
+        return _torchft_cluster(name, run_dir, step_s)
     options = LAUNCHERS[name]
     script = SCRIPTS.get(name)
     if script is not None:
         script = [*script, f"--step-delay={step_s}", f"--ckpt={run_dir / 'ckpt'}"]
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if options.backend == C10D else {}
+    if name == "mlp-inplace":
+        script = [MLP_SCRIPT, *MLP_ARGS, f"--step-delay={step_s}", f"--out={run_dir / 'out'}"]
     if name in PLAIN:
         (run_dir / "out").mkdir(parents=True, exist_ok=True)
         script = [PLAIN_SCRIPT, str(run_dir / "out"), f"--stop-file={run_dir / 'stop'}"]
@@ -179,6 +196,32 @@ def make_cluster(name: str, run_dir: Path, step_s: float = MIN_STEP_S) -> LocalC
         cwd=REPO,
         script=script,
     )
+
+
+def _torchft_cluster(name: str, run_dir: Path, step_s: float) -> LocalCluster:
+    from torchft_cluster import LIGHTHOUSE_DEFAULTS, LIGHTHOUSE_TUNED, TorchftCluster
+
+    return TorchftCluster(
+        run_dir,
+        f"bench-{uuid.uuid4().hex[:8]}",
+        lighthouse=LIGHTHOUSE_TUNED if name == "torchft" else LIGHTHOUSE_DEFAULTS,
+        script_args=[
+            *MLP_ARGS,
+            f"--step-delay={step_s}",
+            f"--pg-timeout={TORCHFT_PG_TIMEOUT_S[name]:g}",
+        ],
+        env=agent_env(PYTHONPATH=pythonpath()),
+        cwd=REPO,
+    )
+
+
+def torchft_refusal(backends: list[str]) -> str | None:
+    """The one sentence that refuses a torchft backend when torchft is not installed."""
+    if not any(b in TORCHFT for b in backends):
+        return None
+    from torchft_cluster import missing
+
+    return missing()
 
 
 MARKERS = {  # phase -> (log text, which occurrence in the window)
@@ -235,6 +278,7 @@ def _annotate(cluster: LocalCluster, entry: dict[str, Any], first: dict[str, Any
     t0 = entry["t"]
     entry.update(_log_phases(cluster, t0, first["ts"]))
     _inplace_phases(cluster, entry, t0, first["ts"])
+    _torchft_phases(cluster, entry, t0, first["ts"])
     _beyond_a_step(cluster, entry, t0)
     loads = [e for e in cluster.events("ckpt.load") if t0 < e["ts"] <= first["ts"]]
     if loads:
@@ -275,6 +319,25 @@ def _inplace_phases(cluster: LocalCluster, entry: dict[str, Any], t0: float, t1:
         entry["state"] = sorted({e["state"] for e in reforms})
 
 
+def _torchft_phases(cluster: LocalCluster, entry: dict[str, Any], t0: float, t1: float) -> None:
+    """torchft, seconds from the event: a new replica's script imported torch
+    (``tft_started_s``), then torchft, and made its manager (``tft_ready_s``); the last
+    replica holding the quorum of the new size (``tft_quorum_s``, the joiner's healed state
+    included; the longest quorum call then, ``tft_quorum_took_s``)."""
+    phases = [e for e in cluster.events("tft.phase") if t0 < e["ts"] <= t1]
+    for phase in ("started", "ready"):
+        hits = [e["ts"] for e in phases if e["phase"] == phase]
+        if hits:
+            entry[f"tft_{phase}_s"] = round(min(hits) - t0, 3)
+    quorums = [
+        e for e in phases if e["phase"] == "quorum" and e.get("world_size") == entry["world"]
+    ]
+    if quorums:
+        entry["tft_quorum_s"] = round(max(e["ts"] for e in quorums) - t0, 3)
+        entry["tft_quorum_took_s"] = max(e["seconds"] for e in quorums)
+        entry["tft_healed"] = any(e.get("healed") for e in quorums)
+
+
 def _derive(entry: dict[str, Any]) -> dict[str, Any]:
     """Split ``recover_s``: the launcher's share (until the new workers were spawned), then
     the workers' own start (import torch, process group, model, checkpoint, first step)."""
@@ -282,6 +345,13 @@ def _derive(entry: dict[str, Any]) -> dict[str, Any]:
         entry["launcher_s"] = entry["workers_started_s"]
         entry["worker_start_s"] = round(entry["recover_s"] - entry["workers_started_s"], 2)
     return entry
+
+
+# --kill-first: the order of the torchft comparison (issue 27): the kill takes the world
+# from 3 to 2 and the leave from 2 to 1 (torchft's Lighthouse treats these two differently:
+# a quorum of a majority of the heartbeating replicas forms after its join timeout, a half
+# waits for the gone one's heartbeat to expire).
+KILL_FIRST = "n1+n2 train; n3 joins (->3); n3 kill -9 (->2); n2 SIGTERM (->1)"
 
 
 def scenario(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
@@ -293,6 +363,159 @@ def scenario(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
         timeout=timeout,
         annotate=functools.partial(_annotate, cluster),
     )
+
+
+class JoinTrace(threading.Thread):
+    """``--trace-join``: what a joining node's processes do, sampled every ``every`` s from the
+    join until its first step at the new size (from outside: /proc and the agent's channel
+    files, nothing in the processes changes). Per process below the agent: when it started
+    (``/proc``, ~10 ms), its name, and its CPU seconds at each sample; per channel file
+    (``channel-<local rank>.{agent,worker}``, :mod:`elastic.inplace.channel`): each new
+    version's mtime and contents."""
+
+    def __init__(self, agent: int, every: float = 0.02) -> None:
+        super().__init__(daemon=True)
+        self.agent, self.t0, self.every = agent, time.time(), every
+        self.procs: dict[int, dict[str, Any]] = {}
+        self.files: dict[str, list[dict[str, Any]]] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.every):
+            with contextlib.suppress(OSError, ValueError):
+                self.sample()
+
+    def sample(self) -> None:
+        now = time.time() - self.t0
+        for pid in descendants(self.agent):
+            proc = self.procs.get(pid)
+            if proc is None:
+                start = started_at(pid)
+                proc = self.procs[pid] = {
+                    "pid": pid,
+                    "name": proc_name(pid),
+                    "ppid": _ppid(pid),
+                    "start_s": round(start - self.t0, 3) if start else None,
+                    "cpu": [],
+                }
+            cpu = _cpu_s(pid)
+            if cpu is not None and (not proc["cpu"] or proc["cpu"][-1][1] != cpu):
+                proc["cpu"].append((round(now, 3), cpu))
+        for path in Path(channel.DIRECTORY).glob(f"elastic-*/{self.agent}/channel-*"):
+            versions = self.files.setdefault(path.name, [])
+            mtime = path.stat().st_mtime
+            if not versions or versions[-1]["mtime"] != mtime:
+                body = json.loads(path.read_text())
+                versions.append({"mtime": mtime, "s": round(mtime - self.t0, 3), "body": body})
+
+    def phases(self, t0: float) -> dict[str, Any]:
+        """Seconds from the join at ``t0``: the fork server started and went idle (its
+        imports done), the worker forked, went idle (waiting for its group), registered on
+        the channel, got its assignments."""
+        self.done.set()
+        self.join(1.0)
+        out: dict[str, Any] = {"trace_lag_s": round(self.t0 - t0, 3)}
+        # the worker: a fork of the fork server (a grandchild of the agent), or named so
+        workers = [
+            p for p in self.procs.values() if p["ppid"] != self.agent or p["name"] == WORKER_NAME
+        ]
+        worker = min(workers, key=lambda p: p["start_s"] or 0.0) if workers else None
+        out["trace_procs"] = [
+            {k: p[k] for k in ("pid", "name", "ppid", "start_s")}
+            | {"cpu_last": p["cpu"][-1] if p["cpu"] else None}
+            for p in self.procs.values()
+        ]
+        server = self.procs.get(worker["ppid"]) if worker else None
+        if server is not None and server["pid"] != self.agent:
+            out["trace_server_start_s"] = server["start_s"]
+            busy = [t for t, _ in server["cpu"] if worker is None or t <= worker["start_s"] + 0.05]
+            out["trace_server_busy_until_s"] = busy[-1] if busy else None
+        if worker is not None:
+            out["trace_worker_forked_s"] = worker["start_s"]
+            cpu = worker["cpu"][-1][1] if worker["cpu"] else None
+            out["trace_worker_cpu"] = str(cpu)  # CPU seconds used by then, not a time
+            out["trace_worker_idle_s"] = _went_idle(worker["cpu"])
+        for name, versions in self.files.items():
+            key = "registered" if name.endswith(".worker") else "assigned"
+            out[f"trace_{key}_s"] = [v["s"] for v in versions]
+            if key == "assigned":
+                out["trace_assignments"] = [
+                    {k: v["body"].get(k) for k in ("round", "rank", "world_size", "pending")}
+                    for v in versions
+                ]
+        lag = out["trace_lag_s"]
+        return {k: _shift(v, lag) if k != "trace_lag_s" else v for k, v in out.items()}
+
+
+def _shift(value: Any, by: float) -> Any:
+    """``value`` (seconds from the trace's start; a list of them) as seconds from the event."""
+    if isinstance(value, float) and not isinstance(value, bool):
+        return round(value + by, 3)
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+        return [round(v + by, 3) for v in value]
+    return value
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+
+
+def _went_idle(cpu: list[tuple[float, float]], quiet_s: float = 0.3) -> float | None:
+    """The first sample after which the CPU seconds did not grow for ``quiet_s``."""
+    for (t, _), (t_next, _) in itertools.pairwise(cpu):
+        if t_next - t >= quiet_s:
+            return t
+    return None
+
+
+def ordered(
+    cluster: LocalCluster, timeout: float, kill_first: bool = False, trace: bool = False
+) -> list[dict[str, Any]]:
+    """n1 and n2 train; n3 joins; then n2 leaves by SIGTERM and n3 is killed with -9 (the
+    scenario of :func:`scenario`), or with ``kill_first`` n3 is killed, then n2 leaves.
+    ``trace``: a :class:`JoinTrace` of the join."""
+    start_pair(cluster, ("n1", "n2"), STEPS_BETWEEN, timeout)
+    tracer: list[JoinTrace] = []
+
+    def join() -> None:
+        node = cluster.start("n3", host=False)
+        if trace:
+            tracer.append(JoinTrace(node.pid))
+            tracer[0].start()
+
+    plan: list[tuple[str, str, int, Callable[[], object]]] = [
+        ("join", "n3", 3, join),
+        ("leave", "n2", 2, lambda: cluster.leave("n2")),
+        ("kill", "n3", 1, lambda: cluster.kill_node("n3")),
+    ]
+    if kill_first:
+        plan[1:] = [
+            ("kill", "n3", 2, lambda: cluster.kill_node("n3")),
+            ("leave", "n2", 1, lambda: cluster.leave("n2")),
+        ]
+    done: list[dict[str, Any]] = []
+    for kind, node, world, act in plan:
+        entry, first = measure(cluster, kind, node, world, act, timeout)
+        if kind == "join" and tracer:
+            entry.update(tracer[0].phases(entry["t"]))
+        done.append(entry)
+        if first is None:
+            break
+        _annotate(cluster, entry, first)
+        cluster.train_more(STEPS_BETWEEN, timeout)
+    return done
 
 
 def freeze(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
@@ -434,6 +657,10 @@ def scenario_result(
     bodies = {"membership": scenario, "freeze": freeze, "worker_kill": worker_kill}
     if name in PLAIN:
         kind = "worker_kill"
+    if kind == "membership" and (args.kill_first or args.trace_join):
+        bodies["membership"] = functools.partial(
+            ordered, kill_first=args.kill_first, trace=args.trace_join
+        )
     found, cluster, total, error, restarts = run_one(
         name, base, args.event_timeout, args.keep, bodies[kind], args.step_s
     )
@@ -503,7 +730,7 @@ def spread(results: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]
                 "n": len(evs),
                 "steps_lost_max": max(e.get("steps_lost") or 0 for e in evs),
             }
-            for key in ("recover_s", "pause_s", "stall_s", "recover_over_step_s"):
+            for key in _timed_keys(evs):
                 vals = sorted(e[key] for e in evs if e.get(key) is not None)
                 if vals:
                     row[kind][key] = {
@@ -515,7 +742,43 @@ def spread(results: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]
     return out
 
 
-def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, bool | None]:
+FIRST_KEYS = ("recover_s", "pause_s", "stall_s", "recover_over_step_s")
+
+
+def _timed_keys(evs: list[dict[str, Any]]) -> list[str]:
+    """The figures in seconds the events carry (``*_s``): the four of :data:`FIRST_KEYS`
+    first, then the phases, in the order first seen."""
+    seen = dict.fromkeys(FIRST_KEYS)
+    for e in evs:
+        for key, value in e.items():
+            if key.endswith("_s") and isinstance(value, int | float) and key != "total_s":
+                seen.setdefault(key)
+    return [k for k in seen if any(e.get(k) is not None for e in evs)]
+
+
+def versus_torchft(spread_: dict[str, Any], ours: str = "mlp-inplace") -> dict[str, Any]:
+    """Per event, the median of ``ours`` over torchft's (tuned Lighthouse) for the figure
+    that event is judged by (join: the pause and event -> first step with the new node;
+    the others: event -> next step at the new size); below 1: ours is faster."""
+    out: dict[str, Any] = {}
+    mine, theirs = spread_.get(ours), spread_.get("torchft")
+    if not mine or not theirs:
+        return out
+    pairs = [
+        ("join", "pause_s"),
+        ("join", "recover_s"),
+        ("kill", "recover_s"),
+        ("leave", "recover_s"),
+        ("freeze", "recover_s"),
+    ]
+    for kind, key in pairs:
+        a = mine.get(kind, {}).get(key, {}).get("median")
+        b = theirs.get(kind, {}).get(key, {}).get("median")
+        out[f"{kind}_{key}_{ours}_over_torchft"] = round(a / b, 2) if a is not None and b else None
+    return out
+
+
+def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, Any]:
     ratio = summary.get("kill_recovery_ratio_ours_over_c10d_tuned")
     ours = [e for r in results if r["backend"] == "ours" for e in r["events"]]
     planned = [e for e in ours if e["kind"] in ("join", "leave")]
@@ -531,7 +794,7 @@ def goals(results: list[dict[str, Any]], summary: dict[str, Any]) -> dict[str, b
         "plain_warm_worker_kill_le_1.0s": _plain_goal(results),
         **{
             f"{b}_in_place": _inplace_goals(results, b)
-            for b in ("ours", "user-inplace")
+            for b in ("ours", "user-inplace", "mlp-inplace")
             if any(r["backend"] == b for r in results)
         },
     }
@@ -585,8 +848,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--backends",
         default="ours,c10d-tuned",
-        help="comma list of ours, user-inplace, user-restart, c10d-tuned, c10d-default, "
-        "plain-warm, plain-cold",
+        help="comma list of ours, user-inplace, user-restart, mlp-inplace, torchft, "
+        "torchft-default, c10d-tuned, c10d-default, plain-warm, plain-cold",
     )
     p.add_argument(
         "--no-host-kill",
@@ -607,6 +870,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--keep", action="store_true", help="keep run dirs (logs, event logs)")
     p.add_argument("--freeze", action="store_true", help="also freeze a node (SIGSTOP) and thaw it")
+    p.add_argument(
+        "--trace-join",
+        action="store_true",
+        help="sample the joining node's processes and channel files every 20 ms (JoinTrace)",
+    )
+    p.add_argument(
+        "--kill-first",
+        action="store_true",
+        help="after the join, kill -9 the joiner (3 -> 2) before n2 leaves (2 -> 1)",
+    )
     p.add_argument("--json-out", type=Path, help="also write the JSON here")
     p.add_argument(
         "--merge",
@@ -625,22 +898,29 @@ def report(
     repeats: int,
     load: list[float],
     step_s: float = MIN_STEP_S,
+    kill_first_order: bool = False,
 ) -> dict[str, Any]:
     import torch
 
     summary = summarize(results, backends)
+    spread_ = spread(results, backends)
     return {
         **provenance(),
         "torch": torch.__version__,
         "scenario": {
-            "nodes": SCENARIO,
+            "nodes": KILL_FIRST if kill_first_order else SCENARIO,
             "worker": "elastic.training.worker configs/tiny.yaml",
+            "scripts": {
+                "user-inplace": " ".join([*SCRIPTS["user-inplace"]]),
+                "mlp-inplace": " ".join([MLP_SCRIPT, *MLP_ARGS]),
+                "torchft": " ".join(["bench/torchft_user.py", *MLP_ARGS]),
+            },
             "min_step_s": step_s,
             "checkpoint_interval": CKPT_INTERVAL,
             "steps_between_events": STEPS_BETWEEN,
             "launcher_flags": "--nnodes=1:3 --nproc-per-node=1 --max-restarts=10 "
             "--monitor-interval=0.3",
-            "rdzv_conf": {b: LAUNCHERS[b].conf() or "torch defaults" for b in backends},
+            "rdzv_conf": {b: _settings(b) for b in backends},
             "c10d_env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
             "c10d_kill_target": "a non-host node (the store host's kill: first_node_kill)",
             "repeats": repeats,
@@ -657,9 +937,25 @@ def report(
         },
         "first_node_kill": host,
         "summary": summary,
-        "spread": spread(results, backends),
+        "spread": spread_,
+        "versus_torchft": versus_torchft(spread_),
         "goals": goals(results, summary),
     }
+
+
+def _settings(backend: str) -> str:
+    """How ``backend``'s membership is configured, for the report."""
+    if backend in TORCHFT:
+        from torchft_cluster import LIGHTHOUSE_DEFAULTS, LIGHTHOUSE_TUNED
+
+        light = LIGHTHOUSE_TUNED if backend == "torchft" else LIGHTHOUSE_DEFAULTS
+        return (
+            "torchft_lighthouse --min_replicas=1 "
+            + " ".join(f"--{k}={v}" for k, v in light.items())
+            + f"; bench/torchft_user.py --pg-timeout={TORCHFT_PG_TIMEOUT_S[backend]:g} "
+            "(gloo), manager timeout 30 s, synchronous quorum, heartbeat every 100 ms"
+        )
+    return LAUNCHERS[backend].conf() or "torch defaults"
 
 
 def merged(paths: list[Path]) -> dict[str, Any]:
@@ -673,12 +969,16 @@ def merged(paths: list[Path]) -> dict[str, Any]:
     host = [h for old in olds for h in old.get("first_node_kill", old.get("c10d_host_kill", []))]
     repeats = sum(old["scenario"]["repeats"] for old in olds)
     step_s = olds[0]["scenario"].get("min_step_s", MIN_STEP_S)
-    out = report(results, host, backends, repeats, load, step_s)
+    kill_first_order = olds[0]["scenario"].get("nodes") == KILL_FIRST
+    out = report(results, host, backends, repeats, load, step_s, kill_first_order)
     out["merged_from"] = [
         {"path": str(p), "commit": old.get("commit"), "utc": old.get("utc")}
         for p, old in zip(paths, olds, strict=True)
     ]
     return out
+
+
+FREEZABLE = ("ours", "user-inplace", "user-restart", "mlp-inplace", *TORCHFT)
 
 
 def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
@@ -690,7 +990,7 @@ def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
         for _ in range(args.repeats):
             results += [scenario_result(b, base, args) for b in backends]
             if args.freeze:
-                frozen = [b for b in backends if b in ("ours", "user-inplace", "user-restart")]
+                frozen = [b for b in backends if b in FREEZABLE]
                 results += [scenario_result(b, base, args, "freeze") for b in frozen]
         for name in [] if args.no_host_kill else ["c10d-tuned", "ours"]:
             found, cluster, _, error, _ = run_one(
@@ -702,7 +1002,7 @@ def run_all(args: argparse.Namespace, backends: list[str]) -> dict[str, Any]:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     load.append(os.getloadavg()[0])
-    return report(results, host, backends, args.repeats, load, args.step_s)
+    return report(results, host, backends, args.repeats, load, args.step_s, args.kill_first)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -710,6 +1010,11 @@ def main(argv: list[str] | None = None) -> int:
     backends = args.backends.split(",")
     if args.with_defaults and "c10d-default" not in backends:
         backends.append("c10d-default")
+    unknown = [b for b in backends if b not in LAUNCHERS and b not in TORCHFT]
+    if unknown:
+        raise SystemExit(f"Unknown backend(s) {', '.join(unknown)}: see --help for the list.")
+    if not args.merge and (refusal := torchft_refusal(backends)):
+        raise SystemExit(refusal)
     out = merged(args.merge) if args.merge else run_all(args, backends)
     return benchjson.output(out, args.json_out)
 
