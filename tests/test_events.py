@@ -61,6 +61,7 @@ def test_a_failed_write_warns_once_and_goes_on(
     assert path in warnings[0].getMessage()
 
 
+@pytest.mark.integration
 def test_a_process_on_a_full_disk_keeps_going() -> None:
     """As a worker would: many events to /dev/full, one warning, exit 0."""
     script = "from elastic import events\nfor s in range(5): events.emit('train.step', step=s)\n"

@@ -104,6 +104,7 @@ def test_wheel_holds_every_module_and_config(wheel: Path) -> None:
     assert tops == {"elastic"}, sorted(tops)
 
 
+@pytest.mark.integration
 def test_installed_wheel_imports_and_validates_shipped_configs(
     venv: Path, tmp_path: Path, clean_env: dict[str, str]
 ) -> None:
@@ -138,6 +139,7 @@ print(json.dumps({"elastic": elastic.__file__, "agent": elastic.agent.__file__,
         assert str(Path(path).resolve()).startswith(prefix), path
 
 
+@pytest.mark.integration
 def test_console_scripts_run(venv: Path, tmp_path: Path, clean_env: dict[str, str]) -> None:
     elastic = str(venv / "bin" / "elastic")
     assert "status" in _run([elastic, "--help"], tmp_path, clean_env)

@@ -7,6 +7,8 @@ import inspect
 import subprocess
 import sys
 
+import pytest
+
 import elastic
 
 PUBLIC = [
@@ -59,6 +61,7 @@ def test_run_signature_and_methods_are_pinned() -> None:
     assert methods == RUN_METHODS
 
 
+@pytest.mark.integration
 def test_import_elastic_stays_light() -> None:
     """``import elastic`` imports neither torch nor etcd (the names load on first use)."""
     code = "import sys, elastic; print([m for m in ('torch', 'etcd3', 'grpc') if m in sys.modules])"

@@ -31,6 +31,7 @@ def test_a_rendezvous_id_that_cannot_name_a_directory_is_one_sentence() -> None:
             runid.resolve(None, {"TORCHELASTIC_RUN_ID": bad})
 
 
+@pytest.mark.integration
 def test_run_under_standalone_keeps_one_id(monkeypatch: pytest.MonkeyPatch) -> None:
     """``torchrun --standalone`` makes up a UUID per launch: a Run must not take it, or it
     never finds its checkpoints again."""

@@ -30,6 +30,7 @@ def run(*argv: str, timeout: float = 120, **extra_env: str) -> subprocess.Comple
     return run_process([PYTHON, *argv], timeout, **extra_env)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("worker_args", "needle"),
     [

@@ -30,6 +30,7 @@ def worker() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
+@pytest.mark.integration
 def test_a_stopped_worker_is_frozen_only_after_the_limit(worker: subprocess.Popen[bytes]) -> None:
     clock = Clock()
     watch = FrozenWatch(3.0, clock)
@@ -44,6 +45,7 @@ def test_a_stopped_worker_is_frozen_only_after_the_limit(worker: subprocess.Pope
     assert watch.frozen(pids) == [worker.pid]
 
 
+@pytest.mark.integration
 def test_a_worker_continued_in_time_starts_its_count_again(
     worker: subprocess.Popen[bytes],
 ) -> None:
@@ -62,6 +64,7 @@ def test_a_worker_continued_in_time_starts_its_count_again(
     assert watch.frozen(pids) == []  # 2 s stopped this time, not 4
 
 
+@pytest.mark.integration
 def test_end_kills_the_frozen_worker(worker: subprocess.Popen[bytes]) -> None:
     clock = Clock()
     watch = FrozenWatch(1.0, clock)

@@ -56,6 +56,7 @@ def function_worker() -> Iterator[multiprocessing.process.BaseProcess]:
     proc.join(10)
 
 
+@pytest.mark.integration
 def test_a_killed_command_worker_ends_the_wait(command_worker: subprocess.Popen[bytes]) -> None:
     handlers = {0: SimpleNamespace(proc=command_worker)}
     agent = bare_agent(SimpleNamespace(subprocess_handlers=handlers))
@@ -63,6 +64,7 @@ def test_a_killed_command_worker_ends_the_wait(command_worker: subprocess.Popen[
     assert timed_wait(agent) < LONG_S / 3
 
 
+@pytest.mark.integration
 def test_a_killed_function_worker_ends_the_wait(
     function_worker: multiprocessing.process.BaseProcess,
 ) -> None:
@@ -72,6 +74,7 @@ def test_a_killed_function_worker_ends_the_wait(
     assert timed_wait(agent) < LONG_S / 3
 
 
+@pytest.mark.integration
 def test_running_workers_keep_the_interval(command_worker: subprocess.Popen[bytes]) -> None:
     agent = bare_agent(
         SimpleNamespace(subprocess_handlers={0: SimpleNamespace(proc=command_worker)})

@@ -144,6 +144,7 @@ def test_plain_script_starts_warm_and_behaves_as_a_fresh_process(jobs: tuple[Job
 # -- the rules and the exit, without an agent ----------------------------------------------
 
 
+@pytest.mark.integration
 def test_cold_reasons_name_what_is_unsafe(tmp_path: Path) -> None:
     from elastic.agent import warm
 
@@ -180,6 +181,7 @@ def _exit_of(body: str) -> Any:
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
+@pytest.mark.integration
 def test_a_forked_script_ends_as_a_fresh_interpreter() -> None:
     # a handled SIGTERM, then exit 0: dies by SIGTERM (the agent that sent it must not wait)
     handled = _exit_of(

@@ -33,6 +33,7 @@ def test_kinds_are_checked_and_the_new_kinds_are_among_them(
     assert "unknown fault kinds rogue; choose from kill_agent" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_chaos_imports_neither_the_cli_nor_the_other_commands() -> None:
     modules = (
         "command fault injectors invariants job observers plan reference report rogue run stale"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from elastic.chaos.plan import (
     KINDS,
     REMOVES,
@@ -73,6 +75,7 @@ def test_a_schedule_with_the_new_kinds_is_seeded_and_holds_them() -> None:
     assert sorted(b) == sorted([*CI, *NEW]), "one shuffled round holds each kind once"
 
 
+@pytest.mark.integration
 def test_a_run_without_a_secret_skips_the_rogue_member_and_says_why(tmp_path: Path) -> None:
     kinds, skipped = available_kinds(3, secret=True)
     assert set(NEW) <= set(kinds) and not set(NEW) & set(skipped)
@@ -84,6 +87,7 @@ def test_a_run_without_a_secret_skips_the_rogue_member_and_says_why(tmp_path: Pa
     assert kinds == ["frozen_etcd"] and "rogue_member" in skipped
 
 
+@pytest.mark.integration
 def test_a_single_etcd_still_gets_frozen(tmp_path: Path) -> None:
     kinds, skipped = choose_kinds(ChaosOptions(runs_dir=tmp_path, kinds=list(NEW), etcd_members=1))
     assert kinds == list(NEW)

@@ -8,6 +8,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from elastic.chaos.fault import Fault
 from elastic.chaos.injectors import Injector
 from elastic.chaos.invariants import SKIPPED_SAVE, frozen_etcd, rogue_members
@@ -108,6 +110,7 @@ def test_a_frozen_only_etcd_must_be_seen_unreachable_then_reachable(tmp_path: Pa
     assert not frozen_etcd(_tail(tmp_path, []), [_frozen(200.0)], False)["ok"], "not recovered"
 
 
+@pytest.mark.integration
 def test_a_freeze_outlasts_requests_only_for_a_single_etcd_and_stays_in_the_tolerance(
     tmp_path: Path,
 ) -> None:

@@ -17,6 +17,7 @@ from .flaky_fs import register
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.integration
 def test_s3_save_and_resharded_resume(
     tmp_path: Path, tiny_config: Callable[..., Path], s3_env: dict[str, str]
 ) -> None:
@@ -34,6 +35,7 @@ def test_s3_save_and_resharded_resume(
     assert list_steps(url, "t") == [15, 10]
 
 
+@pytest.mark.integration
 def test_failing_storage_never_stops_training(
     tmp_path: Path, tiny_config: Callable[..., Path]
 ) -> None:
@@ -63,6 +65,7 @@ def test_failing_storage_never_stops_training(
     assert find_latest_complete(url, "t", warn=False).step == 25
 
 
+@pytest.mark.integration
 def test_repeated_storage_failures_stop_with_a_clear_error(
     tmp_path: Path, tiny_config: Callable[..., Path]
 ) -> None:

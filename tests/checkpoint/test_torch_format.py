@@ -46,6 +46,7 @@ torch.save({{"converted": torch.load(out + ".converted", weights_only=True),
 """
 
 
+@pytest.mark.integration
 def test_a_project_checkpoint_loads_with_torchs_stock_tools(tmp_path: Path) -> None:
     state = make_state(1)
     info = save_with_project(str(tmp_path / "ckpt"), 3, state)
@@ -60,6 +61,7 @@ def test_a_project_checkpoint_loads_with_torchs_stock_tools(tmp_path: Path) -> N
     assert_same_bytes(read["loaded"], want)
 
 
+@pytest.mark.integration
 def test_every_tensor_record_is_a_plain_torch_save_record(tmp_path: Path) -> None:
     info = save_with_project(str(tmp_path / "ckpt"), 1, make_state())
     code = f"""
@@ -77,6 +79,7 @@ dcp.save(state, checkpoint_id={dst!r})
 """
 
 
+@pytest.mark.integration
 def test_a_stock_dcp_checkpoint_starts_a_run(tmp_path: Path) -> None:
     state = make_state(2)
     saved = tmp_path / "state.pt"
@@ -92,6 +95,7 @@ def test_a_stock_dcp_checkpoint_starts_a_run(tmp_path: Path) -> None:
     assert int(cursor["cursor"]) == 0
 
 
+@pytest.mark.integration
 def test_a_model_only_checkpoint_fills_the_model(tmp_path: Path) -> None:
     state = make_state(3)
     saved = tmp_path / "model.pt"
@@ -151,6 +155,7 @@ def test_checkpoints_of_the_raw_format_still_load(tmp_path: Path) -> None:
     assert_same_bytes(loaded[1]["optim"], state["optim"])
 
 
+@pytest.mark.integration
 def test_a_torchtitan_layout_fills_model_and_optimizer(tmp_path: Path) -> None:
     state = make_state(6)
     titan = {**state["model"], "optimizer": state["optim"], "train_state": {"step": 100}}

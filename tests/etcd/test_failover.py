@@ -8,11 +8,14 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from elastic.etcd import client as etcd_client
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import start_cluster
 
 
+@pytest.mark.integration
 def test_a_frozen_member_is_given_up_quickly(tmp_path: Path) -> None:
     members = start_cluster(tmp_path / "cluster", 3)
     frozen = members[0]

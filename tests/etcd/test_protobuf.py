@@ -9,6 +9,8 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from elastic.etcd.server import EtcdServer
 from tests.helpers import PYTHON, REPO, local_cluster, run_node
 
@@ -104,6 +106,7 @@ def test_user_script_under_the_agent_does_not_inherit_the_protobuf_override(
     assert json.loads(out.read_text()) == {"impl": None}, output
 
 
+@pytest.mark.integration
 def test_old_etcd3_stubs_left_by_an_upgrade_fail_with_a_sentence_saying_what_to_do(
     tmp_path: Path,
 ) -> None:

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from elastic.harness.cluster import LocalCluster
 from elastic.procs import alive
 from tests.helpers import wait_until
@@ -21,6 +23,7 @@ def _cluster_with_writer(tmp_path: Path, pid: int, ts: float) -> LocalCluster:
     return cluster
 
 
+@pytest.mark.integration
 def test_a_pid_reused_after_the_writers_events_is_left_alone(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sleep", "60"])
     try:
@@ -33,6 +36,7 @@ def test_a_pid_reused_after_the_writers_events_is_left_alone(tmp_path: Path) -> 
         proc.wait()
 
 
+@pytest.mark.integration
 def test_a_writer_that_outlived_its_agent_is_killed(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sleep", "60"])
     try:

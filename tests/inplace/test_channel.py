@@ -66,6 +66,7 @@ def test_a_leave_note_marks_the_worker_leaving(tmp_path: Path) -> None:
         watcher.close()
 
 
+@pytest.mark.integration
 def test_orphans_of_dead_agents_are_removed(tmp_path: Path) -> None:
     import os
     import subprocess

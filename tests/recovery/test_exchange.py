@@ -118,6 +118,7 @@ def _pair(tmp_path: Path, case: str, secrets: tuple[bytes | None, bytes | None])
     return out[1].strip().splitlines()[-1]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("case", "secrets", "expected"),
     [

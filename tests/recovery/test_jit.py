@@ -91,6 +91,7 @@ def test_survivor_of_a_kill_9_loses_no_completed_step(tmp_path: Path) -> None:
             assert torch.equal(got[key], value), f"rank {rank}: {key} differs from the reference"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("every", "how", "newest"),
     [(1, "torn", 3), (10**6, "torn", None), (10**6, "after", 4)],

@@ -73,6 +73,7 @@ def test_round_trip_is_bit_identical(tmp_path: Path, background: bool) -> None:
     assert list(decode(meta, data)["optim"]["state"]) == [0, 1, 2, 3]  # int keys survive
 
 
+@pytest.mark.integration
 def test_a_reader_in_another_process_sees_it(tmp_path: Path) -> None:
     model, opt = _trained()
     snaps = Snapshotter(SnapshotStore("run-1", 2, owner=4242, directory=str(tmp_path)))
@@ -129,6 +130,7 @@ def test_a_torn_buffer_is_never_loaded(tmp_path: Path) -> None:
     assert fresh.files["a"].header().step == 1
 
 
+@pytest.mark.integration
 def test_kill_mid_copy_in_a_real_process_leaves_the_older_one(tmp_path: Path) -> None:
     """A writer process killed while its background copy runs (seq stays odd)."""
     code = f"""
@@ -188,6 +190,7 @@ def test_json_codec_keeps_rng_states() -> None:
     assert back["python"][1] == state["python"][1]
 
 
+@pytest.mark.integration
 def test_cleanup_of_owned_and_orphaned_files(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

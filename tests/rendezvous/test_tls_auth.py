@@ -95,6 +95,7 @@ def test_tls_and_password_work(secure_etcd: SecureEtcd) -> None:
         assert client.range(b"/tls/k").kvs[0].value == b"v"
 
 
+@pytest.mark.integration
 def test_a_user_added_while_logged_in_does_not_fail_requests(secure_etcd: SecureEtcd) -> None:
     server, certs, root = secure_etcd.server, secure_etcd.certs, ("--user", f"root:{PASSWORD}")
     etcdctl(server, certs, *root, "role", "add", "tls-rw")
@@ -226,6 +227,7 @@ def run_agent_dumping_env(
     return output, dump.read_text()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_the_password_reaches_no_worker_environment_and_no_log(
     secure_etcd: SecureEtcd, tmp_path: Path, run_id: str, algorithm: str
@@ -239,6 +241,7 @@ def test_the_password_reaches_no_worker_environment_and_no_log(
     assert PASSWORD not in output, "the password reached a log"
 
 
+@pytest.mark.integration
 def test_a_password_on_the_command_line_is_redacted_from_torchs_log(
     secure_etcd: SecureEtcd, tmp_path: Path, run_id: str
 ) -> None:

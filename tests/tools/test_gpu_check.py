@@ -48,6 +48,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.integration
 def test_dry_run_prints_the_plan_and_exits_0_without_cuda() -> None:
     done = _run(
         "--dry-run", "--ranks", "4", "--only", "user:node_kill", "--only", "cnn:worker_freeze"

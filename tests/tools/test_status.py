@@ -70,6 +70,7 @@ def password_file(tmp_path: Path) -> Path:
 # -- TLS and login ----------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_tls_with_a_password_file_or_the_environment(
     secure_etcd: SecureEtcd,  # noqa: F811
     password_file: Path,
@@ -86,6 +87,7 @@ def test_tls_with_a_password_file_or_the_environment(
         assert PASSWORD not in result.stdout + result.stderr
 
 
+@pytest.mark.integration
 def test_login_mistakes_are_one_sentence(
     secure_etcd: SecureEtcd,  # noqa: F811
     tmp_path: Path,

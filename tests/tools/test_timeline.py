@@ -147,6 +147,7 @@ def test_torn_lines_and_a_missing_log(tmp_path: Path) -> None:
 DEMO_LOG = Path(__file__).with_name("demo-events.jsonl")
 
 
+@pytest.mark.integration
 def test_a_real_demo_event_log(tmp_path: Path) -> None:
     events = load_events(DEMO_LOG)
     timeline = analyse(events)
@@ -170,6 +171,7 @@ def test_a_real_demo_event_log(tmp_path: Path) -> None:
     assert (tmp_path / "demo.png").stat().st_size > 40_000
 
 
+@pytest.mark.integration
 def test_cli_refuses_a_missing_log(tmp_path: Path) -> None:
     result = _cli("timeline", str(tmp_path), "-o", str(tmp_path / "x.png"))
     assert result.returncode == 2

@@ -83,6 +83,7 @@ def _run_worker(config: Path, *overrides: str) -> subprocess.CompletedProcess[st
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
@@ -108,6 +109,7 @@ def test_worker_rejects_bad_config_with_exit_2(
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 def test_unreadable_config_file_exits_2(tmp_path: Path) -> None:
     proc = _run_worker(tmp_path / "missing.yaml")
     assert proc.returncode == 2

@@ -50,6 +50,7 @@ def _ledger(path: Path) -> dict[int, list[int]]:
     return {step: sorted(indices) for step, indices in per_step.items()}
 
 
+@pytest.mark.integration
 def test_resized_run_matches_straight_run(tmp_path: Path, tiny_config: Callable[..., Path]) -> None:
     config = tiny_config(job__sample_ledger=True)
     url_a, url_b = str(tmp_path / "a"), str(tmp_path / "b")

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from elastic import events, reform
 from elastic.checkpoint import find_latest_complete
 from tests.helpers import REPO
@@ -34,6 +36,7 @@ def _wait_for_step(log: Path, rank: int, step: int, proc: subprocess.Popen[str])
     raise AssertionError(f"rank {rank} did not reach step {step}")
 
 
+@pytest.mark.integration
 def test_sigterm_to_one_rank_saves_and_peers_ask_to_reform(
     tmp_path: Path, tiny_config: Callable[..., Path]
 ) -> None:

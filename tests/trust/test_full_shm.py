@@ -48,6 +48,7 @@ def _folder(mount: Path, owner: int) -> str:
     return f"{mount}/elastic-{os.geteuid()}/{owner}"
 
 
+@pytest.mark.integration
 def test_a_state_too_large_for_shm_is_one_sentence_before_the_first_step(
     small_shm: Path,
 ) -> None:
@@ -68,6 +69,7 @@ def test_a_state_too_large_for_shm_is_one_sentence_before_the_first_step(
     assert last == "elastic.errors.RecoveryError: " + FULL.format(folder=_folder(small_shm, owner))
 
 
+@pytest.mark.integration
 def test_a_state_that_outgrows_shm_later_is_one_sentence_too(small_shm: Path) -> None:
     """The buffers are allocated again when the state grows: the error comes at that
     snapshot, and the newest complete snapshot stays readable."""

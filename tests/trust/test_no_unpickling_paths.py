@@ -212,6 +212,7 @@ def scan_package() -> list[Finding]:
     return found
 
 
+@pytest.mark.integration
 def test_nothing_under_elastic_unpickles_outside_the_allowlist() -> None:
     found = scan_package()
     assert len(found) > 0  # the allowlisted sites are seen: the scanner reads the package
@@ -302,6 +303,7 @@ def test_the_scanner_lets_safe_code_pass() -> None:
     assert scan(safe) == []
 
 
+@pytest.mark.integration
 def test_a_planted_call_in_a_module_fails_the_package_check(tmp_path: Path) -> None:
     """The check itself, on a copy of one allowlisted module with a second site in it."""
     source = (PACKAGE / "checkpoint" / "storage.py").read_text()

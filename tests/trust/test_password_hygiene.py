@@ -73,6 +73,7 @@ def _leaks(pids: list[int], secret: bytes) -> list[str]:
     return leaks
 
 
+@pytest.mark.integration
 def test_a_real_agent_and_its_children_show_no_password_in_proc(
     secure_etcd: SecureEtcd,  # noqa: F811
     tmp_path: Path,
@@ -113,6 +114,7 @@ def _as_nobody() -> list[str]:
     return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("who", ["this user", "uid 65534"])
 def test_the_wipe_needs_no_privilege_and_the_password_file_dies_with_its_process(
     who: str,

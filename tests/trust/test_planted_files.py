@@ -46,6 +46,7 @@ def _forged(tmp_path: Path, shared: Path, owner: int) -> Path:
     return forged
 
 
+@pytest.mark.integration
 def test_a_planted_snapshot_is_never_resumed_nor_written(tmp_path: Path, shared: Path) -> None:
     owner = os.getpid()  # the "agent" whose files the worker looks for
     forged = _forged(tmp_path, shared, owner)
@@ -73,6 +74,7 @@ def test_a_planted_snapshot_is_never_resumed_nor_written(tmp_path: Path, shared:
     assert "resumed 3 memory" in again.stdout, again.stdout
 
 
+@pytest.mark.integration
 def test_planted_symlinks_never_redirect_a_write(tmp_path: Path, shared: Path) -> None:
     owner = os.getpid()
     victim = tmp_path / "precious"
@@ -110,6 +112,7 @@ def test_a_symlink_in_our_own_directory_is_refused_in_one_sentence(tmp_path: Pat
     assert victim.read_text() == "precious"
 
 
+@pytest.mark.integration
 def test_a_planted_reform_marker_does_not_skip_the_checkpoint(
     tmp_path: Path, shared: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,6 +138,7 @@ def test_a_planted_reform_marker_does_not_skip_the_checkpoint(
     assert not target.exists() and not reform.stopping_for_reform(str(shared))
 
 
+@pytest.mark.integration
 def test_planted_channel_files_are_neither_read_nor_followed(tmp_path: Path, shared: Path) -> None:
     owner = os.getpid()
     victim = tmp_path / "precious"
@@ -172,6 +176,7 @@ def _prepare(shared: Path, drop_root: bool) -> subprocess.CompletedProcess[str]:
     return python(code)
 
 
+@pytest.mark.integration
 def test_another_users_directories_never_stop_an_agent_from_starting(shared: Path) -> None:
     dead = _dead_pid()
     done = as_nobody(
@@ -188,6 +193,7 @@ def test_another_users_directories_never_stop_an_agent_from_starting(shared: Pat
     assert (shared / f"elastic-channel-{dead}-0.agent").is_dir()
 
 
+@pytest.mark.integration
 def test_a_killed_root_runs_files_never_stop_a_non_root_agent(shared: Path) -> None:
     dead = _dead_pid()  # a root agent killed with -9 left these
     (shared / f"elastic-x-p{dead}-r0-a").write_bytes(b"root's")

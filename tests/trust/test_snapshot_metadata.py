@@ -79,6 +79,7 @@ def _newest_file(base: Path, owner: int) -> Path:
     return path
 
 
+@pytest.mark.integration
 def test_a_corrupt_newest_buffer_falls_back_to_the_older_one(tmp_path: Path) -> None:
     owner = os.getpid()
     first = worker(tmp_path, 3, owner)
@@ -93,6 +94,7 @@ def test_a_corrupt_newest_buffer_falls_back_to_the_older_one(tmp_path: Path) -> 
     assert again.stderr.count(f"Ignoring the corrupt snapshot {newest} of step 3") == 1
 
 
+@pytest.mark.integration
 def test_a_header_out_of_range_falls_back_and_both_corrupt_start_fresh(tmp_path: Path) -> None:
     owner = os.getpid()
     first = worker(tmp_path, 3, owner)
