@@ -1,20 +1,24 @@
 """Agree on the newest training state after a (re-)formed group, and stream it from a holder.
 
-One all-gather over the group settles it: every rank offers the snapshot it holds
-(step and the rendezvous round that produced it) and rank 0 adds the newest
-persisted step. The newest held snapshot wins; the lowest rank holding it is the
-source; ranks holding the same (step, round) load their own copy, the others receive
-it by broadcast in chunks of :data:`CHUNK` bytes. Shared storage is read only when
-nobody holds a state at least as new as the newest persisted checkpoint.
+One all-gather over the group settles it: every rank offers the state live in its memory
+(in place, after a re-form), the snapshot it holds (step and the rendezvous round that
+produced each) and rank 0 adds the newest persisted step; :func:`newest` then decides, the
+same on every rank. When every rank holds the same live state nothing moves. Otherwise the
+newest state wins: the ranks that hold it live write it to their snapshot, ranks holding the
+same (step, round) load their own copy, the lowest of them streams it to the others by
+broadcast in chunks of :data:`CHUNK` bytes. Shared storage is read only when nobody holds a
+state at least as new as the newest persisted checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +40,19 @@ Held = tuple[int, int]  # (step, round) of a complete snapshot
 
 
 @dataclass(frozen=True)
+class Offer:
+    """One rank's word to the agreement."""
+
+    live: Held | None = None  # the state in this process's memory (in place), None: none
+    held: Held | None = None  # its newest complete snapshot
+    persisted: int = -1  # the newest committed checkpoint's step (rank 0 reads it)
+
+
+@dataclass(frozen=True)
 class Plan:
     """What every rank does to resume; identical on every rank."""
 
-    source: str  # "memory" (held by someone), "storage" or "fresh"
+    source: str  # "live" (every rank has it), "memory" (held by someone), "storage", "fresh"
     step: int = 0
     round: int = 0
     src_rank: int = -1  # group rank that streams the state
@@ -58,10 +71,40 @@ class Plan:
         return self.world_size - len(self.holders)
 
     world_size: int = 1
+    writers: tuple[int, ...] = ()  # group ranks that first write their live state to memory
+
+
+def newest(offers: list[Offer]) -> Plan:
+    """The plan, from every rank's offer (in rank order): the one choice of the newest state.
+
+    States are ordered by ``(step, round)``: the most completed steps first, the newer
+    round between two copies of the same step. A higher step can come from an older round
+    only when the newer round went back (its ranks lost their memory and resumed from an
+    older snapshot or checkpoint), and that step was then completed by every rank of its
+    own group (a collective needs them all), so it is the job's own progress, not a split
+    brain's: taking it redoes the fewest steps. Ordering by round first would throw it away.
+
+    A rank's live state counts as held once it writes it (it does when its live state is
+    the newest); a rank whose live state is older offers nothing (its snapshot is older
+    still), and the rest offer their snapshot.
+    """
+    lives = [o.live for o in offers]
+    world = len(offers)
+    if offers and None not in lives and len(set(lives)) == 1:
+        step, round_ = lives[0]  # type: ignore[misc]
+        return Plan("live", step, round_, world_size=world)
+    top = max((live for live in lives if live is not None), default=None)
+    held = [(o.live if o.live == top else None) if o.live is not None else o.held for o in offers]
+    plan = decide(held, max((o.persisted for o in offers), default=-1))
+    if plan.source != "memory":
+        return plan
+    writers = tuple(r for r, live in enumerate(lives) if live is not None and live == top)
+    return dataclasses.replace(plan, writers=writers)
 
 
 def decide(offers: list[Held | None], persisted: int) -> Plan:
-    """The plan, from every rank's offer (in rank order) and the newest persisted step."""
+    """The plan, from every rank's held snapshot (in rank order) and the newest persisted
+    step (ordered as :func:`newest` says)."""
     held = [o for o in offers if o is not None]
     world = len(offers)
     if held:
@@ -74,32 +117,61 @@ def decide(offers: list[Held | None], persisted: int) -> Plan:
     return Plan("fresh", world_size=world)
 
 
-def agree(held: Held | None, persisted: int, group: dist.ProcessGroup | None = None) -> Plan:
-    """All-gather the offers over ``group`` and :func:`decide` (a world of one: locally).
+def agree(
+    held: Held | None,
+    persisted: int,
+    group: dist.ProcessGroup | None = None,
+    live: Held | None = None,
+    run: Callable[[Callable[[], Any]], bool] | None = None,
+) -> Plan:
+    """All-gather the offers over ``group`` and decide with :func:`newest` (a world of one:
+    locally); ``run`` starts and waits for the all-gather (in place, the step guard's
+    ``run``: a peer lost meanwhile fails it instead of hanging it).
 
-    Each offer is four integers (nothing a peer sends is unpickled), and each is checked:
+    Each offer is seven integers (nothing a peer sends is unpickled), and each is checked:
     a negative step or round, or a persisted step a rank claims that is not -1 or above,
     is refused in one sentence.
+
+    Raises:
+        RecoveryError: an impossible offer; or ``run`` said the all-gather failed.
     """
+    mine = Offer(live, held, persisted)
     if not (dist.is_available() and dist.is_initialized()):
-        return decide([held], persisted)
-    mine = torch.tensor([int(held is not None), *(held or (0, 0)), persisted], dtype=torch.int64)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    offers = [_offer(rank, t) for rank, t in enumerate(everyone)]
-    newest_persisted = max(p for _, p in offers)
-    return decide([h for h, _ in offers], newest_persisted)
+        return newest([mine])
+    sent = torch.tensor(_encode(mine), dtype=torch.int64)
+    everyone = [torch.zeros_like(sent) for _ in range(dist.get_world_size(group))]
+    if run is None:
+        dist.all_gather(everyone, sent, group=group)
+    elif not run(lambda: dist.all_gather(everyone, sent, group=group, async_op=True)):
+        raise Interrupted("A peer failed while the group agreed on its state.")
+    return newest([_offer(rank, t) for rank, t in enumerate(everyone)])
 
 
-def _offer(rank: int, t: torch.Tensor) -> tuple[Held | None, int]:
-    has, step, round_, persisted = (int(v) for v in t.tolist())
-    if has not in (0, 1) or step < 0 or round_ < 0 or persisted < -1:
+class Interrupted(RecoveryError):
+    """The agreement was cut short (a peer failed) before any state moved."""
+
+
+def _encode(o: Offer) -> list[int]:
+    live, held = o.live or (0, 0), o.held or (0, 0)
+    return [int(o.live is not None), *live, int(o.held is not None), *held, o.persisted]
+
+
+def _offer(rank: int, t: torch.Tensor) -> Offer:
+    has_live, live_step, live_round, has, step, round_, persisted = (int(v) for v in t.tolist())
+    if (
+        has not in (0, 1)
+        or has_live not in (0, 1)
+        or min(step, round_, live_step, live_round) < 0
+        or persisted < -1
+    ):
         raise RecoveryError(
             f"Rank {rank} offered an impossible state (held={has}, step={step}, "
-            f"round={round_}, persisted={persisted}); it runs other code than this rank: "
+            f"round={round_}, live={has_live}, live step={live_step}, live round="
+            f"{live_round}, persisted={persisted}); it runs other code than this rank: "
             "check that every node runs the same version."
         )
-    return ((step, round_) if has else None), persisted
+    live = (live_step, live_round) if has_live else None
+    return Offer(live, (step, round_) if has else None, persisted)
 
 
 def stream(
@@ -273,4 +345,16 @@ def persisted_step(url: str, run_id: str, fence: Any = None) -> int:
     return info.step if info is not None else -1
 
 
-__all__ = ["CHUNK", "Held", "Plan", "agree", "decide", "fetch", "persisted_step", "stream"]
+__all__ = [
+    "CHUNK",
+    "Held",
+    "Interrupted",
+    "Offer",
+    "Plan",
+    "agree",
+    "decide",
+    "fetch",
+    "newest",
+    "persisted_step",
+    "stream",
+]

@@ -20,7 +20,8 @@ from elastic.recovery import exchange
 
 def _sender(case: str) -> None:
     if case == "offer":  # a rogue's offer: a negative step
-        dist.all_gather([torch.zeros(4, dtype=torch.int64)] * 2, torch.tensor([1, -5, 0, 0]))
+        offer = torch.tensor([0, 0, 0, 1, -5, 0, -1])  # no live state; held: step -5
+        dist.all_gather([torch.zeros(7, dtype=torch.int64)] * 2, offer)
     elif case == "huge":  # a rogue's size claim, then nothing
         dist.broadcast(torch.tensor([1 << 40, 1 << 50], dtype=torch.int64), src=0)
         dist.broadcast(torch.zeros(exchange.TAG, dtype=torch.uint8), src=0)

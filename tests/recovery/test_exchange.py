@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic import events
-from elastic.recovery.exchange import decide
+from elastic.recovery.exchange import Offer, decide, newest
 from tests.helpers import REPO
 
 
@@ -32,6 +32,35 @@ def test_storage_only_when_nobody_holds_a_state_as_new_as_the_persisted_one() ->
     assert decide([None, None], persisted=4).source == "storage"
     assert decide([None, None], persisted=-1).source == "fresh"
     assert not decide([(4, 0), (4, 0)], persisted=-1).needs_stream
+
+
+def test_every_rank_live_on_the_same_state_moves_nothing() -> None:
+    plan = newest([Offer((7, 2), (5, 2)), Offer((7, 2), None)])
+    assert (plan.source, plan.step, plan.round, plan.writers) == ("live", 7, 2, ())
+
+
+def test_the_newest_live_state_is_written_then_served() -> None:
+    """A joiner (no live state) and a thawed rank (older live state) receive the survivors'
+    newest live state; the thawed rank's own snapshot is not offered."""
+    offers = [Offer((9, 6), (8, 6)), Offer((4, 5), (4, 5)), Offer(None, None), Offer((9, 6))]
+    plan = newest(offers)
+    assert (plan.source, plan.step, plan.round) == ("memory", 9, 6)
+    assert plan.writers == (0, 3) and plan.holders == (0, 3) and plan.src_rank == 0
+
+
+def test_one_ordering_the_most_steps_first_then_the_newer_round() -> None:
+    """(step, round): a higher step of an older round beats a newer round that went back;
+    between two copies of one step the newer round's wins."""
+    assert newest([Offer((12, 5)), Offer((10, 6))]).step == 12
+    assert newest([Offer(None, (12, 5)), Offer(None, (10, 6))]).step == 12
+    plan = newest([Offer((10, 5)), Offer((10, 6))])
+    assert (plan.step, plan.round, plan.writers) == (10, 6, (1,))
+    assert decide([(12, 5), (10, 6)], -1).step == 12  # the same ordering for snapshots
+
+
+def test_storage_wins_over_older_live_states() -> None:
+    plan = newest([Offer((3, 1), persisted=8), Offer((2, 1))])
+    assert (plan.source, plan.step, plan.writers) == ("storage", 8, ())
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -119,6 +148,7 @@ def _pair(tmp_path: Path, case: str, secrets: tuple[bytes | None, bytes | None])
 
 
 @pytest.mark.integration
+@pytest.mark.integration  # two gloo processes
 @pytest.mark.parametrize(
     ("case", "secrets", "expected"),
     [
