@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,9 +35,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Before the fork server starts: it takes this environment for the workers.
     private_log = _event_log_for_workers() if _may_serve_metrics(argv) else None
+    previous = _leave_on_signals()
     try:
         return _main(argv)
+    except BaseException as exc:
+        stop = _stop_signal(exc)
+        if stop is None:
+            raise
+        return _left(stop)
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if private_log:
             from elastic import metrics
 
@@ -81,8 +91,7 @@ def _main(argv: list[str]) -> int:
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
     except SignalException as exc:
-        print(f"elastic-agent: left the job on {exc.sigval.name}.", file=sys.stderr)
-        return 0
+        return _left(exc.sigval)
     except ConfigError as exc:
         return _fail(str(exc), reform.USAGE)
     except (ElasticError, RendezvousError) as exc:
@@ -96,6 +105,50 @@ def _main(argv: list[str]) -> int:
 
 
 _METRICS_OPTIONS = ("--metrics-port", "--metrics_port")
+# torch's agent handles these once its workers start (SIGQUIT aside); ours from the start
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_TORCH_API = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _Stopped(BaseException):
+    """A stop signal that came before torch's agent took over its handling."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__(sig.name)
+        self.sig = sig
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """Raise what torch's own handler raises (its agent then leaves the rendezvous), or,
+    before torch's agent is imported, :class:`_Stopped`."""
+    sig = signal.Signals(signum)
+    exc_type = getattr(sys.modules.get(_TORCH_API), "SignalException", None)
+    if exc_type is not None:
+        raise exc_type(f"Process {os.getpid()} got signal: {signum}", sigval=sig)
+    raise _Stopped(sig)
+
+
+def _leave_on_signals() -> dict[int, Any]:
+    """A stop signal while the agent starts (imports, rendezvous) ends it as one later does:
+    it leaves the job and exits 0. Returns the handlers it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_stop_signal) for sig in _STOP_SIGNALS}
+
+
+def _stop_signal(exc: BaseException) -> signal.Signals | None:
+    """The signal that ``exc`` stands for, or None."""
+    if isinstance(exc, _Stopped):
+        return exc.sig
+    exc_type = getattr(sys.modules.get(_TORCH_API), "SignalException", None)
+    if exc_type is not None and isinstance(exc, exc_type):
+        return signal.Signals(exc.sigval)
+    return None
+
+
+def _left(sig: signal.Signals) -> int:
+    print(f"elastic-agent: left the job on {sig.name}.", file=sys.stderr)
+    return 0
 
 
 def _may_serve_metrics(argv: list[str]) -> bool:
@@ -143,6 +196,7 @@ def _start_metrics(port: int, config: Any) -> Any:
 
     exporter = metrics.start(
         port,
+        addr=metrics.bind_address(config.local_addr),
         event_log=os.environ.get(env.EVENT_LOG),
         restart_budget=config.max_restarts,
         run_id=config.run_id,
@@ -232,9 +286,10 @@ def _warm_entrypoint(
     reason = warm.cold_reason(
         args.training_script, bool(args.module), bool(args.no_python), bool(args.run_path)
     )
+    _note_tutorial_lines(args)
     if reason is not None or not isinstance(cmd, str):
         warm.note_cold(reason or "the entrypoint is not a command.")
-        return cmd, cmd_args
+        return cmd, guarded_args(cmd, cmd_args, bool(args.no_python))
     config.start_method = warm.START_METHOD
     # Started now, not early: torchrun's own changes to the environment (OMP_NUM_THREADS)
     # are made, so the server imports torch under the environment a fresh worker has.
@@ -242,6 +297,31 @@ def _warm_entrypoint(
     logger.info("Workers of %s start warm (forked from the fork server).", args.training_script)
     script = warm.PlainScript(args.training_script, bool(args.module), cmd)
     return script, list(args.training_script_args)
+
+
+def guarded_args(cmd: Any, cmd_args: list[str], no_python: bool) -> list[str]:
+    """A cold worker of the agent's own interpreter starts through
+    :mod:`elastic.agent.run_script`, which installs the tutorial-script guard
+    (:mod:`elastic.agent.tutorial_check`) and then runs the script as ``python`` would."""
+    if no_python or not isinstance(cmd, str):
+        return cmd_args
+    if os.path.realpath(cmd) != os.path.realpath(sys.executable):
+        return cmd_args  # another interpreter ($PYTHON_EXEC) may not have this package
+    from elastic.agent.run_script import wrap_args
+
+    return wrap_args(cmd_args)
+
+
+def _note_tutorial_lines(args: argparse.Namespace) -> None:
+    """One warning at the start for a script written for ``mp.spawn`` (the workers then
+    stop with one sentence when they reach that line)."""
+    if args.module or args.no_python:
+        return
+    from elastic.agent.tutorial_check import scan
+
+    found = scan(args.training_script)
+    if found is not None:
+        print(f"elastic-agent: warning: {found}", file=sys.stderr, flush=True)
 
 
 def _preflight_worker_config(args: argparse.Namespace) -> None:
