@@ -1,7 +1,9 @@
 """Prometheus metrics of one node agent: ``elastic-agent --metrics-port N``.
 
 The agent serves ``/metrics`` over HTTP on port ``N`` (0: one the OS picks; the agent
-prints it). What the agent knows itself (its rendezvous round, the job's restart budget,
+prints it) of its node address (``--local-addr``), or of 127.0.0.1 without one; the server
+spends a fixed few threads and refuses connections beyond 64 (:mod:`elastic.listener`).
+What the agent knows itself (its rendezvous round, the job's restart budget,
 its etcd requests) comes from small hooks in :mod:`elastic.agent.node` and
 :meth:`elastic.etcd.client.EtcdClient.call`. What its workers know (step, loss,
 checkpoints) comes from the event log they write (:mod:`elastic.events`): the exporter
@@ -68,7 +70,7 @@ from elastic.events import Tail
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ADDR = "0.0.0.0"  # Prometheus scrapes the agents from elsewhere
+DEFAULT_ADDR = "127.0.0.1"  # without a node address (--local-addr): this host only
 MAX_BACKLOG = 16 << 20  # more unread bytes than this: skip to the newest ones
 MAX_PARTIAL = 1 << 20  # a "line" longer than this without a newline is dropped
 MAX_NOTES = 1000  # the agent's notes kept for the next scrape (the oldest go first)
@@ -442,6 +444,12 @@ class Exporter:
 _active: AgentMetrics | None = None
 
 
+def bind_address(node_addr: str | None) -> str:
+    """Where the agent serves its metrics: the node's address (``--local-addr``, which the
+    other nodes reach it by and Prometheus scrapes), else 127.0.0.1, never every interface."""
+    return node_addr.strip() if node_addr and node_addr.strip() else DEFAULT_ADDR
+
+
 def start(
     port: int,
     *,
@@ -452,16 +460,20 @@ def start(
 ) -> Exporter | None:
     """Serve this process's agent metrics on ``addr:port`` (0: a free port); None if it failed.
 
-    Makes the hooks of :mod:`elastic.agent.node` and the etcd client record into it.
+    The server (:class:`elastic.listener.BoundedHTTPServer`) spends a fixed few threads and
+    keeps at most :data:`elastic.listener.MAX_CONNECTIONS` connections, each for at most
+    :data:`elastic.listener.READ_TIMEOUT` seconds: idle clients cannot take the agent's
+    threads. Makes the hooks of :mod:`elastic.agent.node` and the etcd client record into it.
     """
     global _active
-    from prometheus_client import start_http_server
+    from prometheus_client.exposition import MetricsHandler
 
     from elastic.etcd import client
+    from elastic.listener import BoundedHTTPServer
 
     try:
         metrics = AgentMetrics(event_log, restart_budget, run_id)
-        server, thread = start_http_server(port, addr=addr, registry=metrics.registry)
+        server = BoundedHTTPServer((addr, port), MetricsHandler.factory(metrics.registry))
     except Exception as exc:
         logger.error(
             "Could not serve metrics on %s:%d (%s); the agent runs without them.",
@@ -470,6 +482,8 @@ def start(
             exc,
         )
         return None
+    thread = threading.Thread(target=server.serve_forever, name="elastic-metrics", daemon=True)
+    thread.start()
     _active = metrics
     client.request_observer = metrics.etcd_request
     exporter = Exporter(metrics, server, thread)
@@ -538,6 +552,7 @@ __all__ = [
     "AgentMetrics",
     "EventTailer",
     "Exporter",
+    "bind_address",
     "event_log_for_workers",
     "on_change",
     "on_restarts",

@@ -8,9 +8,13 @@ or linked there. They are created exclusively (``mkdir``), never reached through
 uid that no one else may read or write; anything else is refused in one sentence.
 
 ``/dev/shm`` is world-writable, so another user may have taken the name ``elastic-<uid>``
-first. Then the uid's root is a fresh ``elastic-<uid>-<random>`` beside it (``mkdtemp``),
-which the agent and its workers find the same way: the first entry of that shape that is a
-private directory of this uid (holding the agent's directory, when one does).
+first. Then the uid's root is ``elastic-<uid>-<token>`` beside it, where the token is an
+HMAC of a random key kept private to this uid in ``$XDG_CACHE_HOME/elastic`` (default
+``~/.cache/elastic``, 0700; the key file 0600): another user cannot predict that name, so
+cannot take it first, and a lookup costs a few ``stat`` calls, never a scan of the base
+(20,000 decoy names there once made each lookup take 440 ms). Should a name of a key be
+taken after all (it was seen before a reboot emptied the base), a new key is added, up to
+:data:`MAX_KEYS`; without a private place for the key, the agent refuses in one sentence.
 
 An agent removes its directory when it exits (:func:`remove_owned`) and, when it starts, the
 directories of agents that are gone (:func:`remove_orphans`); what it cannot or should not
@@ -20,12 +24,14 @@ remove (another user's, not a directory) is skipped and logged once, never raise
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import re
+import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +42,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_BASE = "/dev/shm"
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 SMALL_FILE = 1 << 16  # the most bytes read_small reads (a channel file is ~300)
+KEYS_NAME = "node-local-keys"  # in the key directory (keys_dir): one hex key per line
+MAX_KEYS = 8  # keys kept: names another user took after seeing them
 
 
 def _refusal(path: Path | str, what: str, why: str) -> PermissionError:
@@ -94,14 +102,86 @@ def _canonical(base: str) -> Path:
     return Path(base) / f"elastic-{os.geteuid()}"
 
 
-def _fallbacks(base: str) -> list[Path]:
-    """This uid's other roots under ``base`` (made when another user held the canonical name)."""
-    shape = re.compile(rf"^elastic-{os.geteuid()}-[a-z0-9_]+$")  # tempfile.mkdtemp's names
+def keys_dir() -> Path:
+    """Where this uid keeps the keys of its other root names: ``$XDG_CACHE_HOME/elastic``,
+    else ``~/.cache/elastic``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "elastic"
+
+
+def _read_keys() -> list[bytes]:
+    """This uid's keys (none when the file is absent); PermissionError if it is not private."""
     try:
-        names = sorted(n for n in os.listdir(base) if shape.match(n))
-    except OSError:
+        fd = open_file(keys_dir() / KEYS_NAME, write=False)
+    except FileNotFoundError:
         return []
-    return [p for p in (Path(base) / n for n in names) if _private(p)]
+    try:
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    keys = []
+    for line in data.decode("ascii", "replace").split()[:MAX_KEYS]:
+        with contextlib.suppress(ValueError):
+            keys.append(bytes.fromhex(line))
+    return [k for k in keys if len(k) >= 16]
+
+
+def _add_key() -> None:
+    """Append a new random key (the key directory made private first)."""
+    folder = keys_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_dir(folder)
+    fd = open_file(folder / KEYS_NAME, create=True)
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, (secrets.token_hex(32) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _keyed(base: str, key: bytes) -> Path:
+    token = hmac.new(key, b"elastic node-local root", hashlib.sha256).hexdigest()[:24]
+    return Path(base) / f"elastic-{os.geteuid()}-{token}"
+
+
+def _fallbacks(base: str) -> list[Path]:
+    """This uid's other roots under ``base`` that exist (made when another user held the
+    canonical name): a few ``stat`` calls, never a listing of ``base``."""
+    try:
+        keys = _read_keys()
+    except OSError as exc:
+        logger.debug("Cannot read the node-local keys: %s", exc)
+        return []
+    return [p for p in (_keyed(base, k) for k in keys) if _private(p)]
+
+
+def _new_root(base: str, canonical: Path) -> Path:
+    """A private root under ``base`` that no other user could have named first.
+
+    Raises:
+        OSError: one sentence, when none can be had.
+    """
+    for _ in range(MAX_KEYS + 1):
+        try:
+            keys = _read_keys()
+            for key in keys:
+                root = _keyed(base, key)
+                _mkdir(root)
+                if _private(root):
+                    return root
+            if len(keys) >= MAX_KEYS:
+                break
+            _add_key()
+        except OSError as exc:
+            raise PermissionError(
+                f"{canonical} is not a private directory of this uid (another user made it?), "
+                f"and no private key for another name can be kept in {keys_dir()} ({exc}); "
+                "remove it, or give this user a writable home or $XDG_CACHE_HOME."
+            ) from exc
+    raise PermissionError(
+        f"{canonical} is not a private directory of this uid, nor are the {MAX_KEYS} other "
+        f"names of the keys in {keys_dir()} (another user made them?); remove them."
+    )
 
 
 def find(owner: int, base: str = DEFAULT_BASE) -> Path | None:
@@ -128,7 +208,7 @@ def ensure(owner: int, base: str = DEFAULT_BASE) -> tuple[Path, bool]:
     _mkdir(canonical)
     roots = [canonical] if _private(canonical) else _fallbacks(base)
     if not roots:
-        root = Path(tempfile.mkdtemp(prefix=f"{canonical.name}-", dir=base))
+        root = _new_root(base, canonical)
         logger.warning(
             "%s is not a private directory of this uid (another user made it?); the node-local "
             "files live in %s instead.",

@@ -1,6 +1,8 @@
 """``elastic dashboard``: a small read-only web page of a running job.
 
-The standard library's ``http.server`` in a thread, no framework. Three paths:
+The standard library's ``http.server`` handlers behind :class:`elastic.listener.BoundedHTTPServer`
+(a fixed few threads, a read timeout, at most 64 connections: idle clients cannot starve
+it), no framework. Three paths:
 
 * ``/``: the page; its vanilla JavaScript polls ``/api/status`` every second and reloads
   the timeline image every few seconds;
@@ -29,13 +31,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 from elastic.errors import ElasticError
 from elastic.etcd.client import EtcdClient, EtcdOptions
 from elastic.events import Tail
+from elastic.listener import BoundedHTTPServer
 from elastic.rendezvous.keys import RunKeys
 from elastic.tools.status import checkpoint_status, rendezvous_status
 
@@ -430,9 +433,7 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("%s - " + format, self.address_string(), *args)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
+class _Server(BoundedHTTPServer):
     def __init__(
         self, address: tuple[str, int], dashboard: Dashboard, names: Iterable[str] = ()
     ) -> None:

@@ -1,0 +1,207 @@
+"""Idle clients cannot starve the agent's metrics port nor the dashboard (issue 26, item 2).
+
+A network peer (the metrics port listens on the node address) or a local user opens
+hundreds of connections and sends nothing. Before, each cost the server one thread for as
+long as it stayed open: under a container's pids limit, 80 of them made an agent's etcd
+keep-alive fail. Now the threads are a fixed few, connections beyond the cap are refused,
+idle ones are closed after the read timeout, and the server answers again once they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import textwrap
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import pytest
+
+from elastic import env, listener, metrics
+from elastic.etcd.server import EtcdServer
+from elastic.tools.dashboard import Dashboard, serve
+from elastic.tools.status import etcd_options
+from tests.helpers import FAST_CONF, local_cluster, node_env, wait_until
+
+IDLE = 300  # connections that send nothing
+pytestmark = pytest.mark.integration  # real sockets / another uid
+
+
+def _threads(pid: int | None = None) -> int:
+    return len(os.listdir(f"/proc/{pid or os.getpid()}/task"))
+
+
+@contextlib.contextmanager
+def idle_connections(port: int, n: int = IDLE) -> Iterator[list[socket.socket]]:
+    """``n`` connections to 127.0.0.1:``port`` that send nothing (refused ones included)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            socks.append(s)
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    s.settimeout(0.05)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+class _Hello(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"hello")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_idle_connections_cost_no_thread_excess_ones_are_refused_and_idle_ones_expire() -> None:
+    server = listener.BoundedHTTPServer(
+        ("127.0.0.1", 0), _Hello, max_connections=32, workers=2, read_timeout=2.0
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}/"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            assert reply.read() == b"hello"
+        before = _threads()
+        with idle_connections(server.server_port) as socks:
+            assert server.open_connections <= 32
+            assert _threads() <= before + 1, "idle connections took threads"
+            assert server.refused >= 1
+            # The kept ones are closed at their read timeout; then the server answers again.
+            wait_until(lambda: server.open_connections == 0, 10, "idle connections to expire")
+            assert all(_closed_by_server(s) for s in socks)
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                assert reply.read() == b"hello"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_a_slow_request_head_holds_no_worker() -> None:
+    """A client that drips its request a byte at a time is read by the selector thread;
+    the workers answer the others meanwhile, and it is closed at its deadline."""
+    server = listener.BoundedHTTPServer(("127.0.0.1", 0), _Hello, workers=1, read_timeout=1.0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        drip = socket.create_connection(("127.0.0.1", server.server_port))
+        drip.sendall(b"GET / HT")
+        url = f"http://127.0.0.1:{server.server_port}/"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            assert reply.read() == b"hello"
+        wait_until(lambda: _closed_by_server(drip), 10, "the dripping client to be closed")
+        drip.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_dashboard_keeps_its_threads_under_idle_connections(
+    etcd: EtcdServer, run_id: str, tmp_path: Path
+) -> None:
+    dashboard = Dashboard(etcd_options(etcd.endpoint), run_id, event_log=tmp_path / "e.jsonl")
+    with serve(dashboard, port=0) as served:
+        url = f"{served.url}api/status"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            assert reply.status == 200
+        before = _threads()
+        with idle_connections(served.port):
+            assert served.server.refused >= 1
+            assert _threads() <= before + 2, "idle connections took dashboard threads"
+        wait_until(lambda: served.server.open_connections == 0, 10, "the idle ones to go")
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            assert reply.status == 200
+
+
+def test_metrics_bind_the_node_address_else_loopback() -> None:
+    assert metrics.bind_address(None) == "127.0.0.1"
+    assert metrics.bind_address("") == "127.0.0.1"
+    assert metrics.bind_address("10.1.2.3") == "10.1.2.3"
+    assert metrics.DEFAULT_ADDR == "127.0.0.1"
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from elastic import events
+    out = sys.argv[1]
+    step = 0
+    while not os.path.exists(os.path.join(out, "stop")):
+        step += 1
+        events.emit("train.step", step=step, loss=1.0 / step, samples_per_s=10.0, world_size=1)
+        with open(os.path.join(out, "step"), "w") as f:
+            f.write(str(step))
+        time.sleep(0.1)
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_agent_under_hundreds_of_idle_metrics_connections_keeps_its_threads_and_job(
+    tmp_path: Path, etcd: EtcdServer, run_id: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    environ = node_env(**{env.METRICS_PORT: "0"})
+    options = {"nnodes": "1", "rdzv_conf": FAST_CONF, "max_restarts": 0}
+    with local_cluster(tmp_path / "run", etcd.endpoint, run_id, environ, **options) as cluster:
+        agent = cluster.start("a", worker=[str(script), str(tmp_path)], event_log=False)
+
+        def port_line() -> str | None:
+            return next((x for x in agent.output().splitlines() if "metrics on port" in x), None)
+
+        def step() -> int:
+            with contextlib.suppress(OSError, ValueError):
+                return int((tmp_path / "step").read_text())
+            return 0
+
+        try:
+            line = wait_until(port_line, 120, "the agent to print its metrics port")
+            port = int(line.split("port")[1].split()[0])
+            wait_until(lambda: step() >= 3, 120, "three steps")
+            before = _threads(agent.pid)
+            with idle_connections(port):
+                time.sleep(0.5)  # let the agent accept them all (a bare wait: nothing to poll)
+                during = _threads(agent.pid)
+                reached = step()
+                wait_until(lambda: step() >= reached + 10, 60, "the job to run on")
+            assert during <= before + 4, f"{during - before} agent threads for idle connections"
+            assert agent.running(), agent.output()[-3000:]
+            # The agent answers scrapes again once the idle ones are gone.
+            url = f"http://127.0.0.1:{port}/metrics"
+            body = wait_until(
+                lambda: _scrape(url), 30, "a scrape to be answered after the idle connections"
+            )
+            assert b"elastic_world_size" in body
+        finally:
+            (tmp_path / "stop").touch()
+            code = agent.wait(timeout=120)
+        assert code == 0, agent.output()[-3000:]
+
+
+def _scrape(url: str) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return bytes(reply.read())
+    except OSError:
+        return None
