@@ -44,6 +44,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "ckpt.save": "a rank's checkpoint save ended: step, ok, url, blocking_s, durable_s "
         "(error and last_good when it failed)",
         "ckpt.load": "a rank loaded a checkpoint: step, url, seconds, world_size",
+        "ckpt.missing": "rank 0 resumed from an older step than etcd's commit records name "
+        "(deleted or unreadable): step (the newest recorded), steps, loaded, url",
         "ckpt.init": "a job with no state of its own started from a foreign (plain DCP) "
         "checkpoint: url, seconds, rank, missing (what it did not hold)",
         "train.step": "rank 0 completed a step: step, loss, lr, samples_per_s, world_size, epoch "

@@ -9,11 +9,12 @@
 * :func:`read_entries` reads whole top-level entries of one checkpoint (``model``,
   ``optim``) with no template, for ``elastic checkpoint export``.
 
-Both unpickle the directory's ``.metadata`` as torch's own reader does (only
-``read_entries`` checks it against a commit marker's record): start only from a
-directory you trust. Non-tensor values load with ``weights_only=True``. The ranks of
-``init_from`` agree through :mod:`elastic.checkpoint.planning` (checked JSON, no pickles
-between them).
+Both read the directory's ``.metadata`` through an allowlist of DCP's classes
+(:mod:`elastic.checkpoint.dcp_metadata`; only ``read_entries`` checks it against a commit
+marker's record): another program's checkpoint runs no code here, but its values are
+its own, so start only from a directory you trust. Non-tensor values load with
+``weights_only=True``. The ranks of ``init_from`` agree through
+:mod:`elastic.checkpoint.dcp_driver` (checked JSON, no pickles between them).
 """
 
 from __future__ import annotations
@@ -26,18 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (  # private in torch 2.14
-    _EmptyStateDictLoadPlanner,
-)
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict_loader import (  # private in torch 2.14
-    _load_state_dict,
-)
 
-from elastic.checkpoint import planning
+from elastic.checkpoint import dcp_driver
 from elastic.checkpoint.storage import (
+    EmptyStateDictLoadPlanner,
     SafeLoadPlanner,
     flatten_state_dict,
+    load_in_this_process,
     make_reader,
     store_loaded,
 )
@@ -129,7 +126,7 @@ def _flat_names(state: dict[str, Any]) -> set[str]:
 
 def _load(url: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
     try:
-        planning.load(
+        dcp_driver.load(
             state,
             storage_reader=make_reader(url),
             planner=SafeLoadPlanner(allow_partial_load=True),
@@ -141,7 +138,7 @@ def _load(url: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> N
         ) from exc
 
 
-class _TemplateFreePlanner(_EmptyStateDictLoadPlanner):
+class _TemplateFreePlanner(EmptyStateDictLoadPlanner):
     """DCP's planner that builds the state from the metadata (as ``dcp_to_torch_save``
     does, with the same private loader),
     but non-tensor values load with ``weights_only=True``."""
@@ -163,11 +160,10 @@ def read_entries(
     """
     state: dict[str, Any] = {}  # filled in place by the planner (dcp.load would copy it)
     try:
-        _load_state_dict(
+        load_in_this_process(
             state,
             storage_reader=make_reader(url, expected_metadata),
             planner=_TemplateFreePlanner(keys=set(keys)),
-            no_dist=True,
         )
     except (Exception, CheckpointException) as exc:  # DCP wraps the reader's error
         raise CheckpointError(f"Cannot read the checkpoint {url}: {_first_line(exc)}.") from exc

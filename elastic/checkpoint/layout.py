@@ -58,7 +58,7 @@ MARKER_VERSION = 4  # 4: a signed marker vouches for data files by GMAC (3: a SH
 _STRONG_SINCE = 3  # signed markers from this version on must vouch by STRONG digests only
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _ATTEMPT = re.compile(r"^save-[0-9a-f]{8,64}$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+FILE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 Verify = Literal["full", "size"]
 _WARNED_WEAK: list[bool] = []  # the CRC-only signed marker warning, once per process
 _WARNED_KEYLESS: list[bool] = []  # the MACs-unchecked-without-the-secret warning, once
@@ -284,7 +284,7 @@ def _malformed(marker: Any, step: int) -> str:
     if METADATA not in files:
         return f"lists no {METADATA}"
     for name, entry in files.items():
-        if not isinstance(name, str) or not _FILE_NAME.match(name) or name in (".", ".."):
+        if not isinstance(name, str) or not FILE_NAME.match(name) or name in (".", ".."):
             return f"bad file name {name!r}"
         if not isinstance(entry, dict):
             return f"{name}: entry is not an object"
@@ -472,6 +472,7 @@ def remove_step(url: str) -> None:
 
 __all__ = [
     "COMMIT_MARKER",
+    "FILE_NAME",
     "StepInfo",
     "complete_steps",
     "find_latest_complete",

@@ -6,13 +6,15 @@ A save has three phases:
    buffers (:class:`~elastic.checkpoint.stager.Stager`);
 2. **write** (background thread): rank 0 checks the fence (if any) and picks a
    fresh attempt directory; DCP's save of the staged copy
-   (:func:`elastic.checkpoint.planning.save`: torch's files, no pickles between the
+   (:func:`elastic.checkpoint.dcp_driver.save`: torch's files, no pickles between the
    ranks) goes there through
    :class:`~elastic.checkpoint.storage.HashingWriter`, using the checkpoint
    process group (a dedicated gloo group: sharing DDP's default group between
    two threads deadlocks). Nothing is deleted to make room;
 3. **commit** (background thread): the ranks all-gather their file checksums;
-   rank 0 builds the (signed) marker, records it through the optional fence
+   rank 0 checks that each rank names only files of its own (``__<rank>_*``) and that
+   every item of ``.metadata`` lies inside one of them, builds the (signed) marker,
+   records it through the optional fence
    (one etcd transaction that refuses when the writers' rendezvous round is no
    longer current, and stores the marker's digest: the source of truth), writes
    ``COMMIT.json`` atomically and broadcasts the outcome so every rank agrees
@@ -22,13 +24,22 @@ A save has three phases:
 What the ranks tell each other (the step to load, the attempt, each rank's files and
 errors, the verdict, and DCP's plans) travels as length-prefixed JSON bytes in uint8
 tensors, never as pickles (:mod:`elastic.checkpoint.wire`,
-:mod:`elastic.checkpoint.planning`): every rank decodes the same bytes and checks their
+:mod:`elastic.checkpoint.dcp_driver`): every rank decodes the same bytes and checks their
 size and their shape before use, so a peer that sends something else makes every rank
-raise the same :class:`~elastic.errors.CheckpointError`.
+raise the same :class:`~elastic.errors.CheckpointError`. Rank 0 decides through
+:class:`~elastic.checkpoint.wire.Coordinated`: one typed
+:class:`~elastic.checkpoint.wire.Verdict` (ok, skipped, failed) reaches every rank.
 
 Loading tries the best complete step (one whose marker matches its etcd commit
 record first) and falls back to the next older one when a step cannot be read
-(a purge racing the reader, a corrupt file): every rank tries the same step.
+(a purge racing the reader, a corrupt file): every rank tries the same step. Rank 0
+names only the step and its marker's digest: every rank reads and verifies that marker
+itself (its signature with the job secret, its files' sizes) under the configured
+storage, and loads only the files it names from the step's own directory
+(:mod:`elastic.checkpoint.dcp_metadata` reads ``.metadata`` through an allowlist and
+checks every item against them), so no peer picks what another rank reads. When etcd's
+commit records name a newer step than the one loaded (deleted from the storage, or
+unreadable), a warning and a ``ckpt.missing`` event say so.
 
 A failed save never stops training by itself: the previous complete step stays
 the newest, the error is logged, and the next interval tries again. After
@@ -64,13 +75,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic import events
 from elastic import secret as signing
-from elastic.checkpoint import planning
+from elastic.checkpoint import dcp_driver
 from elastic.checkpoint.config import CheckpointConfig
+from elastic.checkpoint.dcp_metadata import structure_problem
 from elastic.checkpoint.digest import file_keys, kind_for
 from elastic.checkpoint.fence import CommitFence
 from elastic.checkpoint.layout import (
+    FILE_NAME,
     StepInfo,
     complete_steps,
+    inspect_step,
     make_marker,
     marker_digest,
     new_attempt,
@@ -82,6 +96,7 @@ from elastic.checkpoint.layout import (
 )
 from elastic.checkpoint.stager import Stager
 from elastic.checkpoint.storage import (
+    METADATA,
     FastSavePlanner,
     HashingWriter,
     SafeLoadPlanner,
@@ -89,7 +104,7 @@ from elastic.checkpoint.storage import (
     make_reader,
     probe_writable,
 )
-from elastic.checkpoint.wire import all_gather_json, broadcast_json
+from elastic.checkpoint.wire import Coordinated, Kind, Verdict, refused
 from elastic.errors import CheckpointError, EtcdConnectionError
 
 logger = logging.getLogger(__name__)
@@ -100,7 +115,6 @@ logger = logging.getLogger(__name__)
 _AUTO: Any = object()
 _WRITER_NICENESS = 10
 FENCE_TIMEOUT_S = 3.0  # how long a save waits for etcd to answer one fence call
-_SKIPPED = "skipped: "  # an outcome error with this prefix is a skipped save, not a failure
 
 
 @dataclass
@@ -113,11 +127,20 @@ class SaveOutcome:
     blocking_s: float = 0.0
     durable_s: float = 0.0
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kind: Kind = Kind.OK
 
     @property
     def skipped(self) -> bool:
-        """Whether the save was skipped (its fence could not be reached), not failed."""
-        return not self.ok and self.error.startswith(_SKIPPED)
+        """Whether the save was skipped (its fence could not be reached, or refused before
+        anything was written), not failed."""
+        return self.kind is Kind.SKIPPED
+
+    @classmethod
+    def of(cls, step: int, verdict: Verdict) -> SaveOutcome:
+        """The outcome that rank 0's commit ``verdict`` says (its detail: the files, or why)."""
+        if verdict.is_ok:
+            return cls(step, True, files=dict(verdict.detail))
+        return cls(step, False, str(verdict.detail), kind=verdict.kind)
 
 
 class CheckpointManager:
@@ -140,9 +163,10 @@ class CheckpointManager:
         self.group = group
         self.commit_fence = commit_fence
         self.secret: bytes | None = signing.job_secret() if secret is _AUTO else secret
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self._ranks = Coordinated(group)
+        self.distributed = self._ranks.distributed
+        self.rank = self._ranks.rank
+        self.world_size = self._ranks.world_size
         self.failures = 0
         self.last_good: int | None = None
         self.stager = Stager()
@@ -162,7 +186,7 @@ class CheckpointManager:
             local = ""
         except Exception as exc:  # any storage error: report it in one sentence
             local = f"rank {self.rank}: {type(exc).__name__}: {exc}".splitlines()[0]
-        problems = [p for p in self._gather(local, _string) if p]
+        problems = [p for p in self._ranks.gather(local, _string) if p]
         if problems:
             raise CheckpointError(
                 f"Cannot write checkpoints under {url} ({problems[0]}); make the storage "
@@ -221,10 +245,11 @@ class CheckpointManager:
         """Load the best complete step, whatever world size wrote it (resharding).
 
         Rank 0 picks the step (skipping partial, corrupt, unsigned or stale newer
-        ones with a warning) and tells the others; when the step cannot be read
-        (e.g. a purge deleted it meanwhile) every rank falls back to the next
-        older one. ``make_state`` builds the template that DCP loads into (called
-        once per step tried).
+        ones with a warning) and names it and its marker's digest to the others; every
+        rank verifies that marker itself and reads only the files it names. When the
+        step cannot be read (e.g. a purge deleted it meanwhile) every rank falls back to
+        the next older one. ``make_state`` builds the template that DCP loads into
+        (called once per step tried).
 
         Returns:
             ``(step, state)``, or ``None`` for a fresh run.
@@ -236,7 +261,9 @@ class CheckpointManager:
         candidates = _Candidates(self) if self.rank == 0 else None
         tried: list[str] = []
         while True:
-            choice = self._broadcast(candidates.next() if candidates is not None else None, _choice)
+            choice = self._ranks.broadcast(
+                candidates.next() if candidates is not None else None, _choice
+            )
             if isinstance(choice, str):
                 raise CheckpointError(
                     f"Cannot list checkpoints under {self.cfg.url}: {choice}. Check "
@@ -244,10 +271,15 @@ class CheckpointManager:
                 )
             if choice is None:
                 break
-            loaded = self._load_one(choice, make_state)
+            mine = candidates.current if candidates is not None else None
+            loaded = self._load_one(choice, mine, make_state)
             if isinstance(loaded, tuple):
+                if candidates is not None:
+                    candidates.warn_missing(loaded[0])
                 return loaded
             tried.append(f"step {choice['step']}: {loaded}")
+        if candidates is not None:
+            candidates.warn_missing(None)
         if tried:
             raise CheckpointError(
                 f"No complete checkpoint under {self.cfg.url}/{self.run_id} could be read "
@@ -259,25 +291,60 @@ class CheckpointManager:
         )
         return None
 
+    def _verify(self, step: int, digest: str) -> StepInfo:
+        """The step rank 0 named, as this rank reads it: its marker under the configured
+        storage, signed with the job secret (if any), with this ``digest`` and every file
+        it names of the recorded size.
+
+        Raises:
+            CheckpointError: the marker is missing, malformed, foreign, not the one rank 0
+                named, or a file it names is missing or of another size.
+        """
+        info = inspect_step(self.cfg.url, self.run_id, step, "size", self.secret)
+        if not info.complete:
+            raise CheckpointError(
+                f"rank 0 named step {step}, which this rank cannot verify ({info.reason})"
+            )
+        if info.digest != digest:
+            raise CheckpointError(
+                f"rank 0 named step {step} with the commit marker {digest[:16]}..., but this "
+                f"rank reads the marker {info.digest[:16]}... (replaced meanwhile, or rank 0 "
+                "is not telling the truth)"
+            )
+        return info
+
     def _load_one(
-        self, choice: dict[str, Any], make_state: Callable[[], dict[str, Any]]
+        self,
+        choice: dict[str, Any],
+        mine: StepInfo | None,
+        make_state: Callable[[], dict[str, Any]],
     ) -> tuple[int, dict[str, Any]] | str:
         """Load one chosen step on every rank; return it, or why it could not be read."""
-        step, url = choice["step"], choice["url"]
+        step, digest = choice["step"], choice["digest"]
         started = time.perf_counter()
         error = ""
+        info = mine
+        if info is None:
+            try:
+                info = self._verify(step, digest)
+            except CheckpointError as exc:
+                error = f"rank {self.rank}: {exc}"
+        errors = [e for e in self._ranks.gather(error, _string) if e]
         state: dict[str, Any] = {}
-        try:
-            state = make_state()
-            planning.load(
-                state,
-                storage_reader=make_reader(url, choice["metadata"]),
-                planner=SafeLoadPlanner(),
-                process_group=self.group,
-            )
-        except (Exception, CheckpointException) as exc:  # DCP wraps storage errors
-            error = _root_cause(exc)
-        errors = [e for e in self._gather(error, _string) if e]
+        if not errors and info is not None:
+            files = (info.marker or {}).get("files") or {}
+            try:
+                state = make_state()
+                dcp_driver.load(
+                    state,
+                    storage_reader=make_reader(info.data_url, info.metadata_record, files),
+                    planner=SafeLoadPlanner(),
+                    process_group=self.group,
+                )
+            except (Exception, CheckpointException) as exc:  # DCP wraps storage errors
+                error = _root_cause(exc)
+            errors = [e for e in self._ranks.gather(error, _string) if e]
+        url = step_url(self.cfg.url, self.run_id, step)
         if errors:
             logger.warning(
                 "Cannot load checkpoint %s (%s); trying the next older complete step.",
@@ -287,7 +354,6 @@ class CheckpointManager:
             return errors[0]
         seconds = time.perf_counter() - started
         self.last_good = step
-        url = choice.get("step_dir") or url
         logger.info("Loaded checkpoint %s in %.2fs.", url, seconds)
         events.emit(
             "ckpt.load",
@@ -303,24 +369,28 @@ class CheckpointManager:
         self, step: int, staged: dict[str, Any], started: float, blocking: float
     ) -> SaveOutcome:
         url = step_url(self.cfg.url, self.run_id, step)
-        local: dict[str, Any] = {"ok": True, "error": "", "files": {}}
-        attempt = self._start_attempt(step)
-        if attempt.startswith("save-"):
+        started_attempt = self._ranks.decide(self._start_attempt)
+        local = started_attempt
+        metadata: Any = None
+        if started_attempt.is_ok:
+            attempt = str(started_attempt.detail)
             try:
                 keys = file_keys(self.secret, self.run_id, step, attempt)
                 writer = HashingWriter(join(url, attempt), kind_for(keys is not None), keys)
-                planning.save(
+                metadata = dcp_driver.save(
                     staged,
                     storage_writer=writer,
                     planner=FastSavePlanner(cache_key=self._plan_key),
                     process_group=self.group,
                 )
-                local["files"] = writer.written
+                local = Verdict.ok(writer.written)
             except (Exception, CheckpointException) as exc:  # storage must not kill training
-                local.update(ok=False, error=_root_cause(exc))
-        else:
-            local.update(ok=False, error=attempt)
-        outcome = self._commit(step, url, attempt, self._gather(local, _result))
+                local = Verdict.failed(_root_cause(exc))
+        results = self._ranks.gather(local.to_json(), _result)
+        verdict = self._ranks.decide(
+            lambda: self._commit_on_rank0(step, url, started_attempt, results, metadata)
+        )
+        outcome = SaveOutcome.of(step, verdict)
         if not outcome.ok:  # every rank alike: the next save sends full plans again
             FastSavePlanner.forget(self._plan_key)
         outcome.blocking_s = blocking
@@ -329,58 +399,42 @@ class CheckpointManager:
             self._purge(step)  # housekeeping after the commit: not part of durable_s
         return outcome
 
-    def _start_attempt(self, step: int) -> str:
-        """Rank 0 checks the fence and names a fresh attempt directory; all ranks agree.
-
-        Returns the attempt (``save-<nonce>``) or, when the fence refuses, the error.
-        """
-        chosen = ""
-        if self.rank == 0:
-            try:
-                self._fence().check()
-                chosen = new_attempt()
-            except _Unfenced as exc:  # etcd does not answer: skip this save
-                chosen = f"{_SKIPPED}{exc}"
-            except CheckpointError as exc:  # the round moved on: skip, write nothing
-                chosen = f"{_SKIPPED}{exc}"
-            except Exception as exc:  # the fence failed otherwise: write nothing at all
-                chosen = f"commit refused: {type(exc).__name__}: {exc}"
-        return str(self._broadcast(chosen, _string))
+    def _start_attempt(self) -> Verdict:
+        """Rank 0 checks the fence and names a fresh attempt directory (``ok``); a fence
+        that etcd does not answer, or that refuses before anything is written, skips the
+        save; any other fence error fails it."""
+        try:
+            self._fence().check()
+            return Verdict.ok(new_attempt())
+        except CheckpointError as exc:  # etcd does not answer, or the round moved on
+            return Verdict.skipped(str(exc))
+        except Exception as exc:  # the fence failed otherwise: write nothing at all
+            return Verdict.failed(f"commit refused: {type(exc).__name__}: {exc}")
 
     def _fence(self) -> _Fence:
         return _Fence(self.commit_fence, self._gate)
 
-    def _gather(self, local: Any, check: Callable[[Any, str], Any]) -> list[Any]:
-        """Every rank's ``local`` (JSON), in rank order, each checked by ``check``."""
-        if not self.distributed:
-            return [local]
-        return all_gather_json(local, check, self.group)
-
-    def _broadcast(self, value: Any, check: Callable[[Any, str], Any]) -> Any:
-        """Rank 0's ``value`` (JSON) on every rank, checked by ``check``."""
-        if not self.distributed:
-            return value
-        return broadcast_json(value, check, self.group)
-
-    def _commit(
-        self, step: int, url: str, attempt: str, results: list[dict[str, Any]]
-    ) -> SaveOutcome:
-        verdict: dict[str, Any] = {}
-        if self.rank == 0:
-            ok, error, files = self._commit_on_rank0(step, url, attempt, results)
-            verdict = {"ok": ok, "error": error, "files": files}
-        verdict = self._broadcast(verdict, _result)
-        return SaveOutcome(step, verdict["ok"], verdict["error"], files=verdict["files"])
-
     def _commit_on_rank0(
-        self, step: int, url: str, attempt: str, results: list[dict[str, Any]]
-    ) -> tuple[bool, str, dict[str, Any]]:
-        failed = [r["error"] for r in results if not r["ok"]]
+        self,
+        step: int,
+        url: str,
+        started: Verdict,
+        results: list[Verdict],
+        metadata: Any,
+    ) -> Verdict:
+        """Rank 0's verdict on the save: ``ok`` with every file once committed, or why not."""
+        if not started.is_ok:
+            return started
+        failed = [r for r in results if not r.is_ok]
         if failed:
-            return False, failed[0], {}
-        files: dict[str, dict[str, Any]] = {}
-        for r in results:
-            files.update(r["files"])
+            return failed[0]
+        try:
+            files = _claimed_files([r.detail for r in results])
+            problem = structure_problem(metadata, files)
+            if problem:
+                raise CheckpointError(f"the save's metadata is refused: {problem}")
+        except CheckpointError as exc:
+            return Verdict.failed(f"commit refused: {exc}")
         fence = self._fence()
         try:
             marker = make_marker(
@@ -388,7 +442,7 @@ class CheckpointManager:
                 self.world_size,
                 files,
                 run=self.run_id,
-                attempt=attempt,
+                attempt=str(started.detail),
                 job=fence.job,
                 round_=fence.round,
                 secret=self.secret,
@@ -396,16 +450,16 @@ class CheckpointManager:
             record = {
                 "run": self.run_id,
                 "round": fence.round,
-                "attempt": attempt,
+                "attempt": str(started.detail),
                 "digest": marker_digest(marker),
             }
             fence.commit(step, record)
             write_marker(url, marker)
         except _Unfenced as exc:  # etcd does not answer: no commit, and no failure
-            return False, f"{_SKIPPED}{exc}", {}
+            return Verdict.skipped(str(exc))
         except Exception as exc:  # a refused fence or a storage error: no commit
-            return False, f"commit refused: {type(exc).__name__}: {exc}", {}
-        return True, "", files
+            return Verdict.failed(f"commit refused: {type(exc).__name__}: {exc}")
+        return Verdict.ok(files)
 
     def _purge(self, step: int) -> None:
         """Rank 0 deletes old steps (fenced, never newer than ``step``) after a commit."""
@@ -450,10 +504,16 @@ class CheckpointManager:
                 "Checkpoint %s skipped (%s); training goes on, the newest complete checkpoint "
                 "is still step %s.",
                 url,
-                outcome.error.removeprefix(_SKIPPED),
+                outcome.error,
                 self.last_good,
             )
-            events.emit("ckpt.save", error=outcome.error, last_good=self.last_good, **fields)
+            events.emit(
+                "ckpt.save",
+                error=f"skipped: {outcome.error}",
+                skipped=True,
+                last_good=self.last_good,
+                **fields,
+            )
             return
         self.failures += 1
         logger.error(
@@ -558,10 +618,13 @@ class _Candidates:
         self._tried: set[tuple[int, str]] = set()
         self._rescanned = False
         self._steps: Iterator[StepInfo] | None = None
+        self.records: dict[int, dict[str, Any]] = {}
+        self.current: StepInfo | None = None
 
     def next(self) -> dict[str, Any] | str | None:
-        """The next step as ``{step, url, metadata}``, ``None`` when none is left, or the
-        error (one line) that stopped the listing."""
+        """The next step as ``{step, digest}``, ``None`` when none is left, or the error
+        (one line) that stopped the listing."""
+        self.current = None
         try:
             info = self._next_info()
         except Exception as exc:  # tell the other ranks before failing
@@ -569,24 +632,46 @@ class _Candidates:
         if info is None:
             return None
         self._tried.add((info.step, info.digest))
-        return {
-            "step": info.step,
-            "url": info.data_url,
-            "step_dir": info.step_dir,
-            "metadata": info.metadata_record,
-        }
+        self.current = info
+        return {"step": info.step, "digest": info.digest}
+
+    def warn_missing(self, loaded: int | None) -> None:
+        """Say so when etcd's commit records name steps newer than ``loaded`` (the step
+        this job resumes from, ``None``: none): deleted from the storage, or unreadable."""
+        newer = sorted(s for s in self.records if loaded is None or s > loaded)
+        if not newer:
+            return
+        m = self._manager
+        resumed = f"step {loaded}" if loaded is not None else "scratch"
+        logger.warning(
+            "The commit records in etcd say step %s was committed, but it is not in the "
+            "checkpoint storage under %s/%s (deleted, or not readable): this job resumes "
+            "from %s and redoes the steps since.",
+            newer[-1],
+            m.cfg.url,
+            m.run_id,
+            resumed,
+        )
+        events.emit(
+            "ckpt.missing",
+            step=newer[-1],
+            steps=newer,
+            loaded=loaded,
+            url=run_url(m.cfg.url, m.run_id),
+        )
 
     def _next_info(self) -> StepInfo | None:
         while True:
             if self._steps is None:
                 m = self._manager
+                self.records = m._fence().records()
                 self._steps = complete_steps(
                     m.cfg.url,
                     m.run_id,
                     m.cfg.verify,
                     warn=not self._tried,
                     secret=m.secret,
-                    records=m._fence().records(),
+                    records=self.records,
                     skip=lambda info: (info.step, info.digest) in self._tried,
                 )
             info = next(self._steps, None)
@@ -629,19 +714,10 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
-def _refuse(sender: str, what: str, value: Any) -> CheckpointError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    return CheckpointError(
-        f"The checkpoint message from {sender} is not {what} (it holds {shown}); check that "
-        "every node runs the same version."
-    )
-
-
 def _string(value: Any, sender: str) -> str:
-    """A one-line error, an attempt name, or ``""``."""
+    """A one-line error, or ``""``."""
     if not isinstance(value, str):
-        raise _refuse(sender, "a string", value)
+        raise refused(sender, "a string", value)
     return value
 
 
@@ -654,40 +730,57 @@ def _files(value: Any, sender: str) -> dict[str, dict[str, Any]]:
         and all(isinstance(k, str) and isinstance(v, scalars) for k, v in record.items())
         for name, record in value.items()
     ):
-        raise _refuse(sender, "a map of file records", value)
+        raise refused(sender, "a map of file records", value)
     return value
 
 
-def _result(value: Any, sender: str) -> dict[str, Any]:
-    """A rank's save result, or rank 0's verdict: ``{ok, error, files}``."""
-    if (
-        not isinstance(value, dict)
-        or set(value) != {"ok", "error", "files"}
-        or not isinstance(value["ok"], bool)
-        or not isinstance(value["error"], str)
-    ):
-        raise _refuse(sender, "a save result", value)
-    _files(value["files"], sender)
-    return value
+def _result(value: Any, sender: str) -> Verdict:
+    """A rank's save result: ``ok`` with its files, or why it failed."""
+    verdict = Verdict.from_json(value, sender)
+    if verdict.is_ok:
+        _files(verdict.detail, sender)
+    return verdict
+
+
+def _claimed_files(claims: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Every rank's files, checked: rank ``r`` names only plain files of its own
+    (``__<r>_*``), rank 0 also ``.metadata``, each with a natural size, none twice.
+
+    Raises:
+        CheckpointError: a rank names another file (one sentence naming it).
+    """
+    files: dict[str, dict[str, Any]] = {}
+    for rank, claimed in enumerate(claims):
+        for name, record in claimed.items():
+            own = name.startswith(f"__{rank}_") or (rank == 0 and name == METADATA)
+            size = record.get("size")
+            if not own or not FILE_NAME.match(name) or name in files:
+                raise CheckpointError(
+                    f"rank {rank} reports writing {name[:120]!r}, which is not a file of its "
+                    "own in the step's directory"
+                )
+            if type(size) is not int or size < 0:
+                raise CheckpointError(f"rank {rank} reports {name!r} with the size {size!r}")
+            files[name] = record
+    if METADATA not in files:
+        raise CheckpointError(f"no rank reports writing {METADATA}")
+    return files
 
 
 def _choice(value: Any, sender: str) -> dict[str, Any] | str | None:
-    """Rank 0's next step to try (``{step, url, step_dir, metadata}``), the listing's
-    error, or None (no step left)."""
+    """Rank 0's next step to try (``{step, digest}``: every rank reads that step's marker
+    itself), the listing's error, or None (no step left)."""
     if value is None or isinstance(value, str):
         return value
     if (
         not isinstance(value, dict)
-        or set(value) != {"step", "url", "step_dir", "metadata"}
+        or set(value) != {"step", "digest"}
         or type(value["step"]) is not int
         or value["step"] < 0
-        or not isinstance(value["url"], str)
-        or not isinstance(value["step_dir"], str)
+        or type(value["digest"]) is not str
+        or len(value["digest"]) != 64
     ):
-        raise _refuse(sender, "a checkpoint step", value)
-    metadata = value["metadata"]
-    if metadata is not None:
-        _files({".metadata": metadata}, sender)
+        raise refused(sender, "a checkpoint step and its marker's digest", value)
     return value
 
 

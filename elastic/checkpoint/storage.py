@@ -43,7 +43,6 @@ import hashlib
 import io
 import logging
 import os
-import pickle
 import secrets
 import sys
 import threading
@@ -66,13 +65,17 @@ from torch.distributed.checkpoint._nested_dict import (  # private in torch 2.14
     flatten_state_dict,
 )
 from torch.distributed.checkpoint._traverse import set_element  # private in torch 2.14
-from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+from torch.distributed.checkpoint.default_planner import (  # private in torch 2.14
+    _EmptyStateDictLoadPlanner,
+    create_default_local_save_plan,
+)
 from torch.distributed.checkpoint.filesystem import (  # private in torch 2.14
     DEFAULT_SUFFIX,
     _StorageInfo,
     _StoragePrefix,
 )
-from torch.distributed.checkpoint.metadata import (
+from torch.distributed.checkpoint.metadata import (  # private in torch 2.14
+    _MEM_FORMAT_ENCODING,
     Metadata,
     MetadataIndex,
     StorageMeta,
@@ -91,8 +94,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import (  # private in torch 2.14
     _create_write_item_for_tensor,
 )
+from torch.distributed.checkpoint.state_dict_loader import (  # private in torch 2.14
+    _load_state_dict,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
+from torch.serialization import _get_layout  # private in torch 2.14
 
 from elastic.checkpoint.digest import (
     CRC32,
@@ -110,6 +117,15 @@ from elastic.checkpoint.record import frame
 from elastic.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+# The door: torch's private DCP names that the other checkpoint modules use, under names of
+# ours (tests/rendezvous/test_layering.py keeps every private torch name in this module and
+# elastic/inplace/groups.py).
+StorageInfo = _StorageInfo  # where one item lies: relative_path, offset, length
+StoragePrefix = _StoragePrefix  # a rank's file prefix in a save plan
+MemoryFormatEncoding = _MEM_FORMAT_ENCODING  # how .metadata pickles a memory format
+get_layout = _get_layout  # how torch pickles a torch.layout (by its name)
+EmptyStateDictLoadPlanner = _EmptyStateDictLoadPlanner  # a load planner without a template
 
 METADATA = ".metadata"
 # The transform descriptor of a tensor stored as its raw bytes (C order, little-endian, the
@@ -388,14 +404,23 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 
 class VerifyingReader(FsspecReader):
     """torch's fsspec reader that checks ``.metadata`` against its commit record before
-    unpickling it, and never falls back to unverified rank-local metadata.
+    it reads it, unpickles it only through :mod:`elastic.checkpoint.dcp_metadata` (an
+    allowlist of DCP's classes, then every item's file, offset and length checked against
+    ``files``, the commit marker's), and never falls back to unverified rank-local metadata.
 
-    ``expected=None`` skips the check: only for tools reading a step they trust.
+    ``expected=None`` skips the digest check: only for tools reading a step they trust.
     """
 
-    def __init__(self, path: str, expected: dict[str, Any] | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str,
+        expected: dict[str, Any] | None,
+        files: dict[str, dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(path, **kwargs)
         self.expected = expected
+        self.files = files
         self._metadata: Metadata | None = None
 
     def set_up_storage_reader(
@@ -512,17 +537,20 @@ class VerifyingReader(FsspecReader):
                 f"The checkpoint {self.path} has no verified global {METADATA}; rank-local "
                 "metadata is not trusted."
             )
+        from elastic.checkpoint.dcp_metadata import read_metadata  # it imports this door
+
         path = self._get_metadata_path(None)
         with self.fs.create_stream(path, "rb") as stream:
-            data = stream.read()
+            size = (self.expected or {}).get("size")
+            data = stream.read(size + 1) if type(size) is int and size >= 0 else stream.read()
         problem = metadata_problem(data, self.expected)
         if problem:
             raise CheckpointError(
                 f"Refusing to read {path}: {problem}; it is not the file the commit marker "
                 "vouches for."
             )
-        metadata = pickle.loads(data)  # verified against the (signed) marker above
-        if getattr(metadata, "storage_meta", None) is None:
+        metadata = read_metadata(data, os.fspath(path), self.files)
+        if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -670,10 +698,32 @@ def store_loaded(planner: DefaultLoadPlanner, read_item: ReadItem, obj: Any) -> 
         planner.state_dict[read_item.dest_index.fqn] = obj
 
 
-def make_reader(path: str, expected_metadata: dict[str, Any] | None = None) -> FsspecReader:
+def make_reader(
+    path: str,
+    expected_metadata: dict[str, Any] | None = None,
+    files: dict[str, dict[str, Any]] | None = None,
+) -> FsspecReader:
     """Return a reader for a DCP directory that verifies ``.metadata`` (against the marker's
-    record of it, when given) before unpickling it."""
-    return VerifyingReader(path, expected_metadata)
+    record of it, when given), unpickles it through an allowlist and reads only what lies
+    inside the marker's ``files`` (when given).
+
+    Raises:
+        CheckpointError: ``path`` is a ``data:`` URL (bytes carried in the name itself).
+    """
+    if path.strip().lower().startswith("data:"):
+        raise CheckpointError(
+            f"Refusing to read a checkpoint from a data: URL ({path[:40]}...); checkpoints "
+            "are read from the configured storage only."
+        )
+    return VerifyingReader(path, expected_metadata, files)
+
+
+def load_in_this_process(
+    state: dict[str, Any], storage_reader: FsspecReader, planner: LoadPlanner
+) -> None:
+    """DCP's load driver in this process alone (``no_dist=True``: nothing crosses ranks,
+    so nothing is pickled between them)."""
+    _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -743,16 +793,22 @@ __all__ = [
     "CRC32_IMPLEMENTATION",
     "METADATA",
     "RAW_FORMAT",
+    "EmptyStateDictLoadPlanner",
     "FastSavePlanner",
     "HashingWriter",
+    "MemoryFormatEncoding",
     "SafeLoadPlanner",
+    "StorageInfo",
+    "StoragePrefix",
     "VerifyingReader",
     "byte_view",
     "crc32",
     "filesystem",
     "flatten_state_dict",
     "fsync_directory",
+    "get_layout",
     "join",
+    "load_in_this_process",
     "make_reader",
     "metadata_problem",
     "probe_writable",

@@ -1,4 +1,4 @@
-"""elastic.checkpoint.planning: DCP's save/load drivers whose ranks exchange checked JSON.
+"""elastic.checkpoint.dcp_codec and dcp_driver: DCP's save and load, ranks exchanging JSON.
 
 The codec round-trips every planning type torch 2.14 sends between ranks and refuses
 everything else in one sentence (pure tests); two real gloo ranks save through the
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from elastic.checkpoint import planning
-from elastic.checkpoint.planning import decode, encode
+from elastic.checkpoint import dcp_codec
+from elastic.checkpoint.dcp_codec import decode, encode
 from elastic.checkpoint.storage import FastSavePlanner, HashingWriter
 from elastic.errors import CheckpointError
 from tests.checkpoint.conftest import make_state, run_without_elastic
@@ -122,7 +122,7 @@ def test_every_planning_type_round_trips() -> None:
     ]
     for value in values:
         _same(_roundtrip(value), value)
-    assert {type(v).__name__ for v in values[:3]} <= set(planning.CLASSES)
+    assert {type(v).__name__ for v in values[:3]} <= set(dcp_codec.CLASSES)
 
 
 def _nested(depth: int) -> list[Any]:
@@ -174,9 +174,9 @@ def test_the_codec_sends_nothing_outside_its_types(value: Any) -> None:
 
 def test_decode_as_insists_on_the_class() -> None:
     with pytest.raises(CheckpointError, match="holds a list where a SavePlan belongs"):
-        planning.decode_as(SavePlan, encode([1]), "rank 1")
+        dcp_codec.decode_as(SavePlan, encode([1]), "rank 1")
     plan = _local_plan()
-    assert planning.decode_as(SavePlan, encode(plan)) == plan
+    assert dcp_codec.decode_as(SavePlan, encode(plan)) == plan
 
 
 # -- real ranks ------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ WORKER = r"""
 import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from elastic.checkpoint import planning, wire
+from elastic.checkpoint import dcp_driver, wire
 from elastic.checkpoint.storage import FastSavePlanner, HashingWriter, SafeLoadPlanner, make_reader
 from elastic.errors import CheckpointError
 from tests.checkpoint.conftest import assert_same_bytes, make_state, zeros_like
@@ -198,7 +198,7 @@ out = {}
 def save(name, key="k"):
     writer = HashingWriter(f"{root}/{name}")
     try:
-        metadata = planning.save(make_state(), storage_writer=writer,
+        metadata = dcp_driver.save(make_state(), storage_writer=writer,
                                  planner=FastSavePlanner(cache_key=key), process_group=group)
     except CheckpointError as exc:
         return str(exc)
@@ -210,20 +210,20 @@ class Exchanging(SafeLoadPlanner):  # not DCP's global step: the plans go throug
 
 def load(name, planner):
     state = zeros_like(make_state())
-    planning.load(state, storage_reader=make_reader(f"{root}/{name}"), planner=planner,
+    dcp_driver.load(state, storage_reader=make_reader(f"{root}/{name}"), planner=planner,
                   process_group=group)
     assert_same_bytes(state, make_state())
-    return planning.plans_locally(planner, make_reader(root))
+    return dcp_driver.plans_locally(planner, make_reader(root))
 
 out["first"] = save("first")
 out["cached"] = save("cached")  # DCP's plan cache: unusable plans, the cached global plan
 out["local"] = load("cached", SafeLoadPlanner())
 out["exchange"] = load("first", Exchanging())
 
-encode, sender = planning.encode, wire._encode
+encode, sender = dcp_driver.encode, wire._encode
 evil = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()  # runs `touch` when unpickled
 planted = {
-    "unknown": lambda: setattr(planning, "encode", lambda v, d=0: ["posix.system", "touch"]),
+    "unknown": lambda: setattr(dcp_driver, "encode", lambda v, d=0: ["posix.system", "touch"]),
     "pickle": lambda: setattr(wire, "_encode", lambda v: evil),
     "oversized": lambda: setattr(wire, "MAX_WIRE", 1024),
     "nested": lambda: setattr(wire, "_encode", lambda v: b"[" * 100000),
@@ -232,7 +232,7 @@ for name, plant in planted.items():
     if rank == 1 or name == "oversized":
         plant()
     out[name] = save(name, key=name)
-    planning.encode, wire._encode, wire.MAX_WIRE = encode, sender, 8 << 20
+    dcp_driver.encode, wire._encode, wire.MAX_WIRE = encode, sender, 8 << 20
 out["after"] = save("after")  # the group is still in step
 dist.barrier()
 print(json.dumps(out), flush=True)

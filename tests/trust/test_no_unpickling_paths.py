@@ -6,7 +6,7 @@ An AST scan of every module under ``elastic/``: it fails on any ``torch.distribu
 ``marshal.load(s)``, ``torch.load`` without ``weights_only=True``, and torch's DCP drivers
 (``dcp.save`` / ``dcp.load`` and their older and private names) without ``no_dist=True``:
 with ranks, they move plans, results and errors between them as pickles (use
-``elastic.checkpoint.planning`` instead). However they are imported or aliased, each is a
+``elastic.checkpoint.dcp_driver`` instead). However they are imported or aliased, each is a
 finding except at the sites of :data:`ALLOWED`, each with the reason its bytes may be
 unpickled. An allowlist entry that no longer matches fails too (it would hide a new site in
 the same function). The scanner itself is tested on planted source.
@@ -61,12 +61,14 @@ DCP_DRIVERS = {
 # (module path under the repo, enclosing function's qualified name, what) -> why it is safe.
 ALLOWED: dict[tuple[str, str, str], str] = {
     (
-        "elastic/checkpoint/storage.py",
-        "VerifyingReader.read_metadata",
-        "pickle.loads",
-    ): "DCP's .metadata is unpickled only after metadata_problem() matched its size, CRC-32 "
-    "and SHA-256 against the commit marker's record (HMAC-signed with the job secret, and "
-    "vouched for by the etcd commit record); rank 0 hands that record to the other ranks",
+        "elastic/checkpoint/dcp_metadata.py",
+        "_MetadataUnpickler",
+        "pickle.Unpickler",
+    ): "DCP's .metadata, read only after metadata_problem() matched its size, CRC-32 and "
+    "SHA-256 against the commit marker that this rank read and verified itself (HMAC-signed "
+    "with the job secret, vouched for by the etcd commit record), and then through "
+    "find_class restricted to DCP's metadata classes, torch.Size, dtypes and layouts "
+    "(dcp_metadata.ALLOWED): a member that holds the secret still runs no code",
     (
         "elastic/tools/status.py",
         "_StateUnpickler",
@@ -83,7 +85,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     "constructors",
 }
 
-# DCP calls tolerated until a pending change moves them onto elastic.checkpoint.planning
+# DCP calls tolerated until a pending change moves them onto elastic.checkpoint.dcp_driver
 # (an error once they are gone); none now.
 PENDING: frozenset[tuple[str, str, str]] = frozenset()
 
@@ -297,8 +299,8 @@ def test_the_scanner_lets_safe_code_pass() -> None:
         "import torch.distributed.checkpoint as dcp\n"
         "from torch.distributed.checkpoint.state_dict_loader import _load_state_dict\n"
         "dcp.load(s, storage_reader=r, no_dist=True)\n_load_state_dict(s, r, no_dist=True)\n"
-        "dcp.FileSystemReader(p)\nfrom elastic.checkpoint import planning\n"
-        "planning.save(s, storage_writer=w, process_group=g)\n"
+        "dcp.FileSystemReader(p)\nfrom elastic.checkpoint import dcp_driver\n"
+        "dcp_driver.save(s, storage_writer=w, process_group=g)\n"
     )
     assert scan(safe) == []
 
@@ -306,9 +308,9 @@ def test_the_scanner_lets_safe_code_pass() -> None:
 @pytest.mark.integration
 def test_a_planted_call_in_a_module_fails_the_package_check(tmp_path: Path) -> None:
     """The check itself, on a copy of one allowlisted module with a second site in it."""
-    source = (PACKAGE / "checkpoint" / "storage.py").read_text()
+    source = (PACKAGE / "checkpoint" / "dcp_metadata.py").read_text()
     planted = source + "\n\ndef _sneaky(b: bytes) -> object:\n    return pickle.loads(b)\n"
-    found = scan(planted, "elastic/checkpoint/storage.py")
+    found = scan(planted, "elastic/checkpoint/dcp_metadata.py")
     rogue = [f for f in found if f.site not in ALLOWED]
     assert [(f.scope, f.what) for f in rogue] == [("_sneaky", "pickle.loads")]
 
@@ -323,11 +325,11 @@ from elastic.errors import CheckpointError
 
 rank, path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
-mine = {"ok": True, "error": "", "files": {f"__{rank}_0.distcp": {"size": 3, "crc32": "0a"}}}
-step = {"step": 4, "url": "file:///c/4", "step_dir": "file:///c/4", "metadata": None}
+mine = wire.Verdict.ok({f"__{rank}_0.distcp": {"size": 3, "crc32": "0a"}}).to_json()
+step = {"step": 4, "digest": "0" * 64}
 out = {
-    "gather": manager.all_gather_json(mine, manager._result),
-    "broadcast": manager.broadcast_json(step if rank == 0 else None, manager._choice),
+    "gather": [v.detail for v in wire.all_gather_json(mine, manager._result)],
+    "broadcast": wire.broadcast_json(step if rank == 0 else None, manager._choice),
 }
 encode = wire._encode
 planted = {
@@ -340,7 +342,7 @@ for name, data in planted.items():
     if rank == 1:
         wire._encode = lambda value, data=data: data
     try:
-        manager.all_gather_json(mine, manager._result)
+        wire.all_gather_json(mine, manager._result)
         out[name] = "accepted"
     except CheckpointError as exc:
         out[name] = str(exc)
@@ -357,10 +359,8 @@ def test_the_checkpoint_messages_are_checked_json_on_every_rank(tmp_path: Path) 
     an oversized length sent by one rank is refused on both, in one sentence each."""
     results = run_ranks(WORKER, str(tmp_path / "store"), timeout=120)
     for rank, got in enumerate(results):
-        assert [r["files"] for r in got["gather"]] == [
-            {f"__{r}_0.distcp": {"size": 3, "crc32": "0a"}} for r in (0, 1)
-        ]
+        assert got["gather"] == [{f"__{r}_0.distcp": {"size": 3, "crc32": "0a"}} for r in (0, 1)]
         assert got["broadcast"]["step"] == 4, rank
         assert "Rank 1 sent a checkpoint message that is no JSON" in got["pickle"]
-        assert "from rank 1 is not a save result" in got["shape"]
+        assert "from rank 1 is not a step outcome" in got["shape"]
         assert "Rank 1 announced a checkpoint message of 2048 bytes" in got["oversized"]
