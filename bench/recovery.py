@@ -371,13 +371,16 @@ class JoinTrace(threading.Thread):
     files, nothing in the processes changes). Per process below the agent: when it started
     (``/proc``, ~10 ms), its name, and its CPU seconds at each sample; per channel file
     (``channel-<local rank>.{agent,worker}``, :mod:`elastic.inplace.channel`): each new
-    version's mtime and contents."""
+    version's mtime and contents, also of the ``others`` agents (name -> pid): when the
+    running nodes' agents hand their workers the new round and the workers take it."""
 
-    def __init__(self, agent: int, every: float = 0.02) -> None:
+    def __init__(self, agent: int, others: dict[str, int], every: float = 0.02) -> None:
         super().__init__(daemon=True)
         self.agent, self.t0, self.every = agent, time.time(), every
+        self.others = others
         self.procs: dict[int, dict[str, Any]] = {}
         self.files: dict[str, list[dict[str, Any]]] = {}
+        self.theirs: dict[str, dict[str, list[float]]] = {}
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -387,7 +390,7 @@ class JoinTrace(threading.Thread):
 
     def sample(self) -> None:
         now = time.time() - self.t0
-        for pid in descendants(self.agent):
+        for pid in [self.agent, *descendants(self.agent)]:
             proc = self.procs.get(pid)
             if proc is None:
                 start = started_at(pid)
@@ -407,6 +410,12 @@ class JoinTrace(threading.Thread):
             if not versions or versions[-1]["mtime"] != mtime:
                 body = json.loads(path.read_text())
                 versions.append({"mtime": mtime, "s": round(mtime - self.t0, 3), "body": body})
+        for name, pid in self.others.items():
+            for path in Path(channel.DIRECTORY).glob(f"elastic-*/{pid}/channel-*"):
+                seen = self.theirs.setdefault(name, {}).setdefault(path.name, [])
+                at = round(path.stat().st_mtime - self.t0, 3)
+                if not seen or seen[-1] != at:
+                    seen.append(at)
 
     def phases(self, t0: float) -> dict[str, Any]:
         """Seconds from the join at ``t0``: the fork server started and went idle (its
@@ -417,7 +426,9 @@ class JoinTrace(threading.Thread):
         out: dict[str, Any] = {"trace_lag_s": round(self.t0 - t0, 3)}
         # the worker: a fork of the fork server (a grandchild of the agent), or named so
         workers = [
-            p for p in self.procs.values() if p["ppid"] != self.agent or p["name"] == WORKER_NAME
+            p
+            for p in self.procs.values()
+            if p["pid"] != self.agent and (p["ppid"] != self.agent or p["name"] == WORKER_NAME)
         ]
         worker = min(workers, key=lambda p: p["start_s"] or 0.0) if workers else None
         out["trace_procs"] = [
@@ -443,6 +454,10 @@ class JoinTrace(threading.Thread):
                     {k: v["body"].get(k) for k in ("round", "rank", "world_size", "pending")}
                     for v in versions
                 ]
+        out["trace_others"] = {
+            name: {f: _shift(v, out["trace_lag_s"]) for f, v in files.items()}
+            for name, files in self.theirs.items()
+        }
         lag = out["trace_lag_s"]
         return {k: _shift(v, lag) if k != "trace_lag_s" else v for k, v in out.items()}
 
@@ -492,7 +507,8 @@ def ordered(
     def join() -> None:
         node = cluster.start("n3", host=False)
         if trace:
-            tracer.append(JoinTrace(node.pid))
+            others = {n: x.pid for n, x in cluster.nodes.items() if n != "n3" and x.running()}
+            tracer.append(JoinTrace(node.pid, others))
             tracer[0].start()
 
     plan: list[tuple[str, str, int, Callable[[], object]]] = [
