@@ -280,13 +280,18 @@ def _digest(key: bytes, meta: bytes, data: torch.Tensor) -> bytes:
 
 
 def _check_sizes(src_rank: int, meta_len: int, data_len: int) -> None:
-    """A peer's claim of how much it sends, bounded before anything is allocated."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if not (0 < meta_len <= MAX_META) or not (0 <= data_len <= ram):
+    """A peer's claim of how much it sends, bounded before anything is allocated: by what
+    this process may still allocate (its memory cgroup's room, else the host's)."""
+    from elastic import memlimit
+
+    room = memlimit.available_bytes()
+    if room is None:
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if not (0 < meta_len <= MAX_META) or not (0 <= data_len <= room):
         raise RecoveryError(
             f"Rank {src_rank} announced a state of {meta_len} + {data_len} bytes, beyond "
-            f"what this node accepts ({MAX_META} bytes of metadata, {ram} of data); it is "
-            "not received."
+            f"what this process accepts ({MAX_META} bytes of metadata, {room} of data: the "
+            "memory its cgroup or host has left); it is not received."
         )
 
 
