@@ -5,7 +5,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docker browser slurm bench clean
+.PHONY: demo test test-unit lint docker browser slurm bench clean
 
 $(BIN)/elastic: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,11 @@ slurm:
 
 test: lint docker browser slurm
 	$(BIN)/python -m pytest
+
+# The unit level only (no etcd, no process: tests/conftest.py assigns the levels): a signal in
+# under a minute. `-m integration` and `-m system` select the other two levels.
+test-unit: $(BIN)/elastic
+	$(BIN)/python -m pytest -m unit -q
 
 # Writes bench/results-rendezvous.json and bench/results-recovery.json (not tracked; each
 # records its git commit and UTC time); the figures are in bench/README-*.md.
