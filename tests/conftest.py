@@ -65,7 +65,7 @@ def own_etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 LEVELS = ("unit", "integration", "system")
-ETCD_FIXTURES = frozenset({"etcd", "own_etcd", "client"})
+ETCD_FIXTURES = frozenset({"etcd", "own_etcd", "client", "secure_etcd", "bridge_etcd"})
 SYSTEM_FIXTURES = frozenset({"cluster", "job"})
 UNIT_TIMEOUT_S = 60
 
