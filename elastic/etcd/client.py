@@ -11,7 +11,12 @@ protobuf's default C (upb) implementation; nothing here touches
 Retry policy. Until a client has reached etcd once, a request fails after
 ``connect_timeout`` (a wrong address is reported quickly). Once connected, a
 request rides out an outage (an etcd restart, a member going down) for up to
-``request_timeout``, trying every endpoint in turn with a short backoff.
+``request_timeout``, trying every endpoint in turn with a short backoff; every
+attempt carries a gRPC deadline, so a hung etcd (stopped: it accepts connections
+and never answers) fails a request at its budget too. The error then says when
+the request started (:class:`EtcdUnansweredError`), from which an outage counts;
+the rendezvous caps ``request_timeout`` at its ``outage_timeout``, so an agent
+gives up on a hung etcd at ``outage_timeout``, not a request's budget later.
 A request whose reply was lost is sent again, so a write may reach etcd twice;
 callers make that harmless: puts are idempotent, compare-and-set transactions
 fail their compare the second time, and the store's ``add`` writes a per-call
@@ -258,6 +263,16 @@ REQUEST_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, grpc.Rpc
 ATTEMPT_S = 1.0  # the most one request waits on one member while others could answer
 
 
+class EtcdUnansweredError(EtcdConnectionError):
+    """No endpoint answered one request within its budget; ``since`` (``time.monotonic``)
+    is when that request started: etcd has not answered it since then, so an outage
+    counts from there, not from when the budget ran out."""
+
+    def __init__(self, message: str, since: float) -> None:
+        super().__init__(message)
+        self.since = since
+
+
 class EtcdClient:
     """A thread-safe etcd v3 client with fail-over across endpoints.
 
@@ -307,7 +322,8 @@ class EtcdClient:
 
     def _call(self, fn: Callable[[_Connection, float], T]) -> T:
         budget = self._attempt_s()
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        deadline = started + budget
         n = len(self.options.endpoints)
         # With other members to try, one that does not answer (a hung or frozen etcd) is
         # given up after ATTEMPT_S, not after the whole budget: leases would expire meanwhile.
@@ -331,7 +347,7 @@ class EtcdClient:
             self._index = (index + 1) % n
             attempt += 1
             if time.monotonic() >= deadline:
-                raise self._unreachable(errors, budget)
+                raise self._unreachable(errors, budget, started)
             if attempt % n == 0:
                 time.sleep(_BACKOFF_S[min(attempt // n, len(_BACKOFF_S)) - 1])
 
@@ -361,11 +377,14 @@ class EtcdClient:
             return True
         return False
 
-    def _unreachable(self, errors: dict[str, str], budget: float) -> EtcdConnectionError:
+    def _unreachable(
+        self, errors: dict[str, str], budget: float, started: float
+    ) -> EtcdUnansweredError:
         tried = "; ".join(f"{ep}: {why}" for ep, why in errors.items()) or "no attempt finished"
-        return EtcdConnectionError(
+        return EtcdUnansweredError(
             f"Could not reach etcd at {_names(self.options.endpoints)} within {budget:g} s "
-            f"({tried}); check that etcd is running and the endpoint list is right."
+            f"({tried}); check that etcd is running and the endpoint list is right.",
+            since=started,
         )
 
     # -- KV -------------------------------------------------------------------
@@ -723,6 +742,7 @@ __all__ = [
     "Endpoint",
     "EtcdClient",
     "EtcdOptions",
+    "EtcdUnansweredError",
     "KeyEvent",
     "KeyValue",
     "RequestTooLargeError",

@@ -226,7 +226,7 @@ class RendezvousOptions:
             user=self.user,
             password=self.password,
             connect_timeout=self.connect_timeout,
-            request_timeout=self.request_timeout,
+            request_timeout=min(self.request_timeout, self.outage_timeout),
         )
 
     def timeouts(self) -> RendezvousTimeout:

@@ -33,8 +33,8 @@ class Outage:
         with etcd's answer; never call it so for a watch that just ran out)."""
         if exc is None:
             self._ended()
-        elif self._since is None:
-            self._since = time.monotonic()
+        elif self._since is None:  # from when the failed request started, if it says
+            self._since = min(time.monotonic(), getattr(exc, "since", None) or time.monotonic())
             logger.warning(
                 "etcd is unreachable (%s); training goes on, and this node gives up if etcd "
                 "is still unreachable after %.0f s (rdzv-conf outage_timeout).",
