@@ -7,6 +7,7 @@ Import-light: the run's modules (torch among them) are imported when a run start
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from elastic.chaos.plan import ChaosOptions
+    from elastic.chaos.script import ScriptSpec
 
 HELP = "a seeded fault schedule against a local job, then checks"
 
@@ -42,6 +44,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the job without a secret (unsigned records; rogue_member is skipped)",
     )
     parser.add_argument("--json-only", action="store_true", help="print only the JSON report")
+    script = parser.add_argument_group("a user's script on elastic.Run (docs/chaos.md)")
+    script.add_argument(
+        "--script",
+        default=None,
+        metavar="PATH|ddp",
+        help="run this script (its arguments after --; '{ckpt}' among them is replaced by "
+        "the checkpoint URL) instead of our worker; 'ddp': examples/train_ddp.py",
+    )
+    script.add_argument(
+        "--restart", action="store_true", help="ddp: the restart path (not --in-place)"
+    )
+    script.add_argument("--epochs", type=int, default=30, help="ddp: epochs of 20 steps")
+    script.add_argument("--steps", type=int, default=0, help="a script's last step")
+    script.add_argument("--global-batch", type=int, default=0, help="a script's global batch")
+    script.add_argument("--samples", type=int, default=0, help="a script's dataset size")
+    script.add_argument(
+        "--model-rtol", type=float, default=0.0, help="a script's model bound (relative L2)"
+    )
+    script.add_argument(
+        "--compound",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="rounds of the compound schedule instead of the random one",
+    )
+    script.add_argument("--freeze-s", type=float, default=8.0, help="compound: node freeze")
+    script.add_argument("--etcd-freeze-s", type=float, default=4.0, help="compound: etcd freeze")
+    script.add_argument("--etcd-members", type=int, default=3, help="etcd cluster size")
+    script.add_argument("script_args", nargs="*", help=argparse.SUPPRESS)
 
 
 def kind_list(text: str) -> list[str]:
@@ -66,6 +97,11 @@ def options(args: argparse.Namespace) -> ChaosOptions:
     from elastic.chaos.plan import ChaosOptions
 
     return ChaosOptions(
+        script=script_spec(args),
+        compound=args.compound,
+        freeze_s=args.freeze_s,
+        etcd_freeze_s=args.etcd_freeze_s,
+        etcd_members=args.etcd_members,
         minutes=args.minutes,
         seed=args.seed,
         runs_dir=args.runs_dir,
@@ -76,6 +112,31 @@ def options(args: argparse.Namespace) -> ChaosOptions:
         say=(lambda line: None)
         if args.json_only
         else (lambda line: print(line, file=sys.stderr, flush=True)),
+    )
+
+
+def script_spec(args: argparse.Namespace) -> ScriptSpec | None:
+    """The user's script that parsed options name (None: our worker).
+
+    Raises:
+        SystemExit: a script other than ours without ``--steps``.
+    """
+    from elastic.chaos.script import SCRIPT_MODEL_RTOL, ScriptSpec, ddp_script
+
+    if args.script is None:
+        return None
+    if args.script == "ddp":
+        spec = ddp_script(in_place=not args.restart, epochs=args.epochs)
+        extra = tuple(args.script_args)
+        return dataclasses.replace(spec, argv=spec.argv + extra) if extra else spec
+    if args.steps <= 0:
+        raise SystemExit("elastic chaos: --script needs --steps (the step its job ends at)")
+    return ScriptSpec(
+        (str(Path(args.script).resolve()), *args.script_args),
+        steps=args.steps,
+        global_batch=args.global_batch,
+        samples=args.samples,
+        model_rtol=args.model_rtol or SCRIPT_MODEL_RTOL,
     )
 
 
@@ -104,4 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return command(parser.parse_args(argv))
 
 
-__all__ = ["HELP", "add_arguments", "command", "kind_list", "main", "options"]
+__all__ = [
+    "HELP",
+    "add_arguments",
+    "command",
+    "kind_list",
+    "main",
+    "options",
+    "script_spec",
+]

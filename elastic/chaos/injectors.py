@@ -92,7 +92,7 @@ class Injector:
 
     def _kill_worker(self, fault: Fault) -> None:
         for node in sorted(self.job.live(), key=lambda n: self.rng.random()):
-            workers = self.job.cluster.workers_of(node.name)
+            workers = self.job.workers_of(node.name)
             if workers:
                 fault.node = node.name
                 kill(workers[0])
@@ -113,6 +113,7 @@ class Injector:
         node = self._victim()
         fault.node = node.name
         self.job.exited_ok_required.add(node.name)
+        self.job.left.add(node.name)
         self.job.cluster.leave(node.name)
         with contextlib.suppress(subprocess.TimeoutExpired):
             node.wait(120)

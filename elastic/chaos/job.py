@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,8 +76,11 @@ class ChaosJob:
         self.net: Net | None = None
         self.netns_of: dict[str, str] = {}
         self.killed: set[str] = set()
+        self.left: set[str] = set()  # sent SIGTERM (a planned leave)
         self.exited_ok_required: set[str] = set()
+        self.exits: dict[str, dict[str, Any]] = {}  # node -> when it exited, at which step
         self._names = 0
+        self._watching = threading.Event()
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -162,9 +166,23 @@ class ChaosJob:
             overrides={**overrides(opts), "checkpoint.url": self.ckpt},
             env=self.environ(),
             say=opts.say,
+            script=None if opts.script is None else opts.script.command(self.ckpt),
         )
         self.tail = EventTail(self.cluster.event_log)
         self.observer = StorageObserver(self.ckpt, self.run_id, self.endpoint, self.secret())
+        threading.Thread(target=self._watch_exits, name="chaos-exits", daemon=True).start()
+
+    def _watch_exits(self) -> None:
+        """Record when each agent exited, with its code and the newest step then."""
+        while not self._watching.wait(0.1):
+            for name, node in list(self.cluster.nodes.items()):
+                code = node.proc.poll()
+                if code is not None and name not in self.exits:
+                    self.exits[name] = {
+                        "code": code,
+                        "ts": time.time(),
+                        "step": self.tail.last_step(),
+                    }
 
     def start_node(self) -> str:
         """Start one more agent (in a namespace of its own under ``netns``); its name."""
@@ -182,7 +200,9 @@ class ChaosJob:
     # -- what the job is doing ---------------------------------------------------------------
 
     def live(self) -> list[Node]:
-        return [n for n in self.cluster.running() if n.name not in self.killed]
+        """The nodes that run and were neither killed nor told to leave."""
+        gone = self.killed | self.left
+        return [n for n in self.cluster.running() if n.name not in gone]
 
     def world(self) -> int | None:
         """The world size expected now (the live agents); None once every agent exited."""
@@ -192,15 +212,24 @@ class ChaosJob:
         """Where the job's steps are stored."""
         return self.ckpt / self.run_id
 
+    def workers_of(self, name: str) -> list[int]:
+        """The live worker pids of node ``name`` (our worker's, or the user's script's)."""
+        if self.opts.script is None:
+            return self.cluster.workers_of(name)
+        from elastic.chaos.script import script_workers
+
+        return script_workers(self.cluster.nodes[name].pid, self.opts.script.path)
+
     def rank0_worker(self) -> int | None:
+        workers = {p for n in self.live() for p in self.workers_of(n.name)}
         for e in reversed(self.tail.of("train.step")[-5:]):
             pid = int(e["pid"])
-            if alive(pid) and proc_name(pid) == WORKER_NAME:
+            if alive(pid) and (proc_name(pid) == WORKER_NAME or pid in workers):
                 return pid
         for node in self.live():
-            workers = self.cluster.workers_of(node.name)
-            if workers:
-                return workers[0]
+            found = self.workers_of(node.name)
+            if found:
+                return found[0]
         return None
 
     def current_round(self) -> int:
@@ -222,6 +251,7 @@ class ChaosJob:
         """Stop the observer, every process of the job and etcd, remove the namespaces; the
         workers that outlived their agents."""
         self.observer.stop()
+        self._watching.set()
         orphans = self.cluster.close()
         for m in self.members:
             m.stop(signal.SIGKILL)

@@ -8,8 +8,12 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic.configs import config_path
+
+if TYPE_CHECKING:
+    from elastic.chaos.script import ScriptSpec
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +61,11 @@ class ChaosOptions:
     netns: bool | None = None  # nodes in network namespaces; None: when cut_link can run
     secret: bool = True  # the job signs its records with a secret; rogue_member needs one
     faults: int | None = None  # inject this many (however long they take); default: by time
+    script: ScriptSpec | None = None  # a user's script on elastic.Run instead of our worker
+    compound: int = 0  # rounds of the compound schedule (elastic.chaos.compound); 0: random
+    freeze_s: float = 8.0  # a compound freeze of a node (agent and workers)
+    etcd_freeze_s: float = 4.0  # a compound freeze of etcd
+    margin_s: float = 60.0  # compound: no fault starts when the job has less time left
     say: Callable[[str], None] = field(default=lambda line: None)
 
 
@@ -100,6 +109,8 @@ def choose_kinds(opts: ChaosOptions) -> tuple[list[str], dict[str, str]]:
 
 def planned_steps(opts: ChaosOptions) -> int:
     """The job's steps: ``opts.max_steps``, or enough for the faults' time at ``step_s``."""
+    if opts.script is not None:
+        return opts.script.steps
     fault_s = opts.minutes * 60 if opts.faults is None else opts.faults * (opts.every_s + 10)
     return opts.max_steps or max(2 * opts.interval, int(fault_s / opts.step_s) + 40)
 

@@ -76,6 +76,8 @@ def final_model(job: ChaosJob, url: Path) -> dict[str, Any]:
         raise RuntimeError(
             f"The newest complete checkpoint under {url} is {info}, not step {job.max_steps}."
         )
+    if job.opts.script is not None:
+        return stored_model(info.url, info.metadata_record)
     cfg = load_config(job.opts.config, [])
     state = {"model": build_model(cfg.model).state_dict()}
     reader = make_reader(info.url, info.metadata_record)  # .metadata checked before unpickling
@@ -83,4 +85,26 @@ def final_model(job: ChaosJob, url: Path) -> dict[str, Any]:
     return state["model"]
 
 
-__all__ = ["Reference", "final_model"]
+def stored_model(url: str, metadata_record: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``model`` tensors of the checkpoint at ``url`` (one step's directory), for any
+    script: their shapes and dtypes come from the checkpoint's own (verified) metadata."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from elastic.checkpoint.storage import SafeLoadPlanner, make_reader
+
+    reader = make_reader(url, metadata_record)  # .metadata checked before unpickling
+    metadata = reader.read_metadata()
+    model: dict[str, Any] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if fqn.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            dtype = meta.properties.dtype
+            model[fqn[len("model.") :]] = torch.empty(meta.size, dtype=dtype)
+    state = {"model": model}
+    reader = make_reader(url, metadata_record)
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return state["model"]
+
+
+__all__ = ["Reference", "final_model", "stored_model"]

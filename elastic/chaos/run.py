@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from elastic.chaos.compound import CompoundInjector, compound_schedule
 from elastic.chaos.fault import Fault
 from elastic.chaos.injectors import Injector
 from elastic.chaos.invariants import check_invariants
@@ -28,6 +29,8 @@ from elastic.chaos.job import ChaosJob
 from elastic.chaos.observers import pause, wait_stable
 from elastic.chaos.plan import ChaosOptions, schedule
 from elastic.chaos.report import build_report, write_observations
+from elastic.chaos.script import ScriptReference
+from elastic.chaos.script_checks import check_script_invariants
 
 
 def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
@@ -47,18 +50,20 @@ class Chaos:
         self.opts = opts
         self.rng = random.Random(opts.seed)
         self.job = ChaosJob(opts)
-        self.injector = Injector(self.job, self.rng)
+        self.injector = (CompoundInjector if opts.compound else Injector)(self.job, self.rng)
         self.faults: list[Fault] = []
+        self.reference: ScriptReference | None = None
 
     def run(self) -> dict[str, Any]:
         job = self.job
         job.write_secret()
         job.start_etcd()
-        kinds, gaps = schedule(self.rng, self.opts, job.kinds)
+        kinds, gaps = self._schedule()
         self.opts.say(f"run {job.run_id}: {job.max_steps} steps, faults {kinds}")
         job.start_cluster()
         started = time.time()
         try:
+            self._start_reference()
             self._start(started)
             self._inject_all(kinds, gaps, started)
             codes = job.wait_end()
@@ -66,7 +71,28 @@ class Chaos:
         finally:
             self.injector.undo()
             orphans = job.close()
-        return self._finish((started, time.time()), codes, orphans)
+        try:
+            return self._finish((started, time.time()), codes, orphans)
+        finally:
+            if self.reference is not None:
+                self.reference.stop()
+
+    def _schedule(self) -> tuple[list[str], list[float]]:
+        """The faults in order and the seconds before each: the compound schedule (a short
+        settle between faults), else the seeded random one."""
+        opts = self.opts
+        if not opts.compound:
+            return schedule(self.rng, opts, self.job.kinds)
+        kinds = compound_schedule(opts.compound)
+        return kinds, [opts.every_s] * len(kinds)
+
+    def _start_reference(self) -> None:
+        """A user's script: its fault-free reference runs beside the job from the start."""
+        job = self.job
+        if self.opts.script is None:
+            return
+        self.reference = ScriptReference(self.opts.script, job.run_dir, job.environ(), job.secret())
+        self.reference.start()
 
     def _start(self, started: float) -> None:
         """Start the observer and the first agents; wait for stable training."""
@@ -83,17 +109,32 @@ class Chaos:
         """Inject the schedule, each fault ``gap`` after the one before, until the fault
         window ends, the job nears its last step, or every agent exited."""
         opts, job = self.opts, self.job
-        window_end = time.time() + opts.minutes * 60 if opts.faults is None else math.inf
+        timed = opts.faults is None and not opts.compound
+        window_end = time.time() + opts.minutes * 60 if timed else math.inf
         next_at = time.time() + gaps[0]
         for kind, gap in zip(kinds, [*gaps[1:], 0.0], strict=True):
             while time.time() < next_at and job.cluster.running():
                 pause(0.2)
-            if time.time() > window_end or job.tail.last_step() > 0.9 * job.max_steps:
+            if time.time() > window_end or self._near_end():
                 break
             if not job.cluster.running():
                 break
             fault = self._inject(kind, started)
             next_at = max(time.time() + 2 * opts.step_s, fault.t + gap)
+
+    def _near_end(self) -> bool:
+        """Whether the job is too near its end for another fault: past 90 % of its steps;
+        for compound faults, with less than ``margin_s`` of training left at the recent
+        pace (a join takes a joiner's start-up, and a fault must not meet the job's end)."""
+        job = self.job
+        last = job.tail.last_step()
+        if not self.opts.compound:
+            return last > 0.9 * job.max_steps
+        recent = job.tail.of("train.step")[-21:]
+        if len(recent) < 2:
+            return False
+        pace = (recent[-1]["ts"] - recent[0]["ts"]) / (len(recent) - 1)
+        return (job.max_steps - last) * pace < self.opts.margin_s
 
     def _inject(self, kind: str, started: float) -> Fault:
         say = self.opts.say
@@ -119,7 +160,10 @@ class Chaos:
         job, injector = self.job, self.injector
         write_observations(job.observer.seen, job.run_dir / "observations.json")
         results = {"stale_writer": injector.stale_results, "rogue_member": injector.rogue_results}
-        verdict = check_invariants(job, self.faults, results, codes, orphans)
+        if self.reference is not None:
+            verdict = check_script_invariants(job, self.faults, codes, orphans, self.reference)
+        else:
+            verdict = check_invariants(job, self.faults, results, codes, orphans)
         report = build_report(job, self.faults, verdict, results, times, codes)
         (job.run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return report

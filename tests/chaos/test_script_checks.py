@@ -1,0 +1,82 @@
+"""The checks of a chaos run on a user's script, and its options (no job: milliseconds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic.chaos.command import options
+from elastic.chaos.compound import COMPOUND, compound_schedule
+from elastic.chaos.script import CKPT, DDP_SCRIPT, ScriptSpec, ddp_script
+from elastic.chaos.script_checks import _ranges, explain, once, stale_reports
+from elastic.tools.cli import _parser
+
+LAST = 300
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "step", "problem"),
+    [
+        ("n1", 0, LAST, None),  # ran to the end
+        ("n2", 0, 120, None),  # left: SIGTERM
+        ("n3", -9, 80, None),  # killed by us
+        ("n3", 0, 80, "was killed with kill -9 but exited 0"),
+        ("n1", 0, 200, "exited 0 at step 200 of 300 though nobody stopped it"),  # issue 25
+        ("n1", 1, LAST, "exited 1 (neither killed nor stopped)"),
+        ("n2", 75, 120, "exited 75"),
+        ("n1", None, LAST, "still running at the end"),
+    ],
+)
+def test_every_exit_code_needs_a_reason(
+    name: str, code: int | None, step: int, problem: str | None
+) -> None:
+    why = explain(name, code, step, LAST, killed={"n3"}, left={"n2"})
+    assert (why is None) == (problem is None), why
+    if problem is not None:
+        assert why is not None and problem in why
+
+
+def test_a_resume_behind_the_newest_step_is_a_step_done_twice() -> None:
+    def step(n: int) -> dict:
+        return {"kind": "train.step", "step": n}
+
+    fine = [step(1), step(2), {"kind": "recovery.inplace", "step": 2}, step(3)]
+    fine += [step(2), {"kind": "ckpt.load", "step": 3}]  # a thawed rank's stale report
+    assert once(fine)["ok"] and once(fine)["checks"] == 2
+    assert stale_reports([step(2), step(2), step(3)]) == [2]
+    redone = [step(5), step(6), {"kind": "recovery.resume", "step": 4, "pid": 9}]
+    result = once(redone)
+    assert not result["ok"] and "steps 5-6 ran twice" in result["problems"][0]
+    assert _ranges([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert _ranges([]) == ""
+
+
+def test_ours_is_world_size_free_and_its_reference_unpaced() -> None:
+    spec = ddp_script(in_place=True, epochs=5)
+    assert spec.steps == 5 * 20 and spec.steps_per_epoch == 20
+    job = spec.command("/ckpt")
+    assert job[0] == str(DDP_SCRIPT) and "--in-place" in job and "--ckpt=/ckpt" in job
+    assert {"--norm=group", "--double", "--ledger", "--global-batch-size=12"} <= set(job)
+    ref = spec.command("/ref", reference=True)
+    assert ref[-3:] == ["--step-delay=0", "--ballast-mb=0", "--checkpoint-every=1000000"]
+    assert "--in-place" not in ddp_script(in_place=False).argv
+
+
+def test_the_cli_takes_a_script_and_its_arguments(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    argv = ["chaos", "--script", str(script), "--steps", "40", "--compound", "2"]
+    opts = options(_parser().parse_args([*argv, "--", "--ckpt", CKPT, "--lr=0.1"]))
+    assert isinstance(opts.script, ScriptSpec)
+    assert opts.script.command("/c") == [str(script), "--ckpt", "/c", "--lr=0.1"]
+    assert opts.script.steps == 40 and opts.compound == 2
+    ours = options(_parser().parse_args(["chaos", "--script", "ddp", "--restart"]))
+    assert ours.script is not None and "--in-place" not in ours.script.argv
+    with pytest.raises(SystemExit):
+        options(_parser().parse_args(["chaos", "--script", str(script)]))
+
+
+def test_the_compound_schedule_repeats_its_round() -> None:
+    assert compound_schedule(1) == list(COMPOUND)
+    assert compound_schedule(3) == list(COMPOUND) * 3
+    assert "freeze_leave_in_save" in COMPOUND and "etcd_freeze_in_save" in COMPOUND
