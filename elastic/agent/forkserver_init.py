@@ -1,5 +1,5 @@
-"""Imported by the warm-start fork server as it starts (see :mod:`elastic.agent.warm`): tie its
-life to the agent's.
+"""Imported by the warm-start fork server as it starts (see :mod:`elastic.agent.forkserver`):
+tie its life to the agent's.
 
 Python's fork server exits when every holder of its "alive" pipe has closed it, and every
 process it forks holds that pipe too. So after a ``kill -9`` of the agent its workers would
@@ -20,5 +20,5 @@ die_with_parent()
 # they ask to die with it (it may have died between their fork and that request).
 os.environ[env.FORK_SERVER_PID] = str(os.getpid())
 # The server's own process object is multiprocessing's main process: a user's script forked
-# from here gets a fresh one (elastic.agent.warm), as if it had started on its own.
+# from here gets a fresh one (elastic.agent.plain_script), as if it had started on its own.
 MAIN_PROCESS = type(multiprocessing.current_process())

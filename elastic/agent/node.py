@@ -17,10 +17,12 @@ Small hooks into torch's agent:
   workers are stuck in a collective with it, out of reach of a stop request:
   they get :data:`LOST_PEER_GRACE_S` to exit, then are killed, instead of
   waiting for the collective timeout.
-* **Warm starts of a user's script** (:class:`elastic.agent.warm.PlainScript`): before
-  each start the agent checks that forking is still safe, else starts that round's
-  workers with torchrun's command (:func:`elastic.agent.warm.server_cold_reason`). A
-  forked worker's failure is logged without torch's traceback formatter, which would
+* **Warm starts of a user's script** (:class:`elastic.agent.plain_script.PlainScript`):
+  before each start the agent checks that forking is still safe, else starts that round's
+  workers with torchrun's command (:func:`elastic.agent.forkserver.server_cold_reason`). A
+  forked script holds no descriptor of torch's, as a fresh process: it hands torch no
+  return value, and the agent reads its exit instead (:meth:`NodeAgent._collect_script_exits`).
+  A forked worker's failure is logged without torch's traceback formatter, which would
   import ``torch._dynamo`` (seconds) before the restart.
 * **The commit fence in the worker environment,** since warm workers fork from a
   server that took the agent's environment before the rendezvous set it.
@@ -51,6 +53,7 @@ Small hooks into torch's agent:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -67,14 +70,15 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic import env, events, metrics, nodelocal, reform
-from elastic.agent import warm
+from elastic.agent import inplace_host
+from elastic.agent.cold_start import note_cold
+from elastic.agent.forkserver import server_cold_reason
 from elastic.agent.frozen import FrozenWatch
+from elastic.agent.inplace_host import InPlaceHost
+from elastic.agent.plain_script import PlainScript
 from elastic.inplace import channel
-from elastic.inplace.channel import Assignment
-from elastic.procs import alive
 from elastic.recovery import snapshot
 from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
 
@@ -106,61 +110,31 @@ class NodeAgent(LocalElasticAgent):
         if fence:
             worker_env[env.FENCE] = fence
         worker_env[snapshot.OWNER_ENV] = str(os.getpid())  # whose node the snapshots are
-        if self._offers_in_place():
-            worker_env[env.CHANNEL] = str(channel.prefix_for(os.getpid(), local_rank))
+        if self._host is not None:
+            worker_env[env.CHANNEL] = str(self._host.channel_of(local_rank))
 
     def _fence(self) -> str:
         handler = self._handler()
         return handler.fence() if handler is not None else ""
 
-    # -- in-place re-forms (elastic.inplace) -------------------------------------------------
+    # -- in-place re-forms (elastic.inplace.channel; the host: elastic.agent.inplace_host) --
 
-    _asked_round: int = -1  # the round a worker last asked to leave (want_round)
-
-    def _offers_in_place(self) -> bool:
+    @functools.cached_property
+    def _host(self) -> InPlaceHost | None:
+        """The in-place host when this agent offers in-place re-forms, else None."""
         handler = self._worker_group.spec.rdzv_handler
-        return env.flag(env.IN_PLACE) and isinstance(handler, MembershipHandler) and handler.hosts_round_store
-
-    def _round(self) -> int:
-        handler = self._handler()
-        return int(handler.round_view()[0]) if handler is not None else -1
-
-    def _assign(self, worker_group: WorkerGroup, pending: Assignment | None = None) -> None:
-        """Write each local worker's assignment (or ``pending`` for all of them)."""
-        for w in worker_group.workers:
-            a = pending or Assignment(
-                round=self._round(),
-                rank=w.global_rank,
-                world_size=w.world_size,
-                master_addr=str(worker_group.master_addr),
-                master_port=int(worker_group.master_port or 0),
-                fence=self._fence(),
-                issued=time.time(),
-            )
-            channel.write_assignment(channel.prefix_for(os.getpid(), w.local_rank), a)
-
-    def _in_place_ready(self, worker_group: WorkerGroup) -> bool:
-        """Whether every local worker runs on ``elastic.Run`` in place and is alive."""
-        if not self._offers_in_place() or not worker_group.workers:
-            return False
-        for w in worker_group.workers:
-            reg = channel.read_registration(channel.prefix_for(os.getpid(), w.local_rank))
-            if reg is None or reg.pid != w.id or not alive(reg.pid):
-                return False
-        return True
+        return InPlaceHost(handler) if inplace_host.offered(handler) else None
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        if self._offers_in_place():
-            for w in worker_group.workers:
-                channel.remove(channel.prefix_for(os.getpid(), w.local_rank))
-            self._assign(worker_group)
+        if self._host is not None:
+            self._host.prepare_start(worker_group)
         spec = worker_group.spec
         script = spec.entrypoint
-        reason = warm.server_cold_reason() if isinstance(script, warm.PlainScript) else None
-        if not isinstance(script, warm.PlainScript) or reason is None:
+        reason = server_cold_reason() if isinstance(script, PlainScript) else None
+        if not isinstance(script, PlainScript) or reason is None:
             return super()._start_workers(worker_group)
         # A warm start of this script is not safe now: torchrun's command, this once.
-        warm.note_cold(reason)
+        note_cold(reason)
         args = spec.args
         spec.entrypoint, spec.args = script.executable, (*script.cold_args, *args)
         try:
@@ -169,93 +143,22 @@ class NodeAgent(LocalElasticAgent):
             spec.entrypoint, spec.args = script, args
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        """Re-form in place when the workers can (see :mod:`elastic.inplace`), else torch's
-        stop, rendezvous, start."""
-        if not self._in_place_ready(worker_group):
+        """In place when every local worker can re-form in place (they keep their
+        processes), else torch's restart: stop, rendezvous, start."""
+        host = self._host
+        if host is not None and host.ready(worker_group):
+            change, self._change = self._change, None
+            host.reform_in_place(worker_group, change, self._rendezvous)
+        else:
             super()._restart_workers(worker_group)
-            return
-        started = time.monotonic()
-        change, self._change = self._change, None
-        kind = change.kind.value if change is not None else "requested"
-        if change is None or change.kind is not ChangeKind.JOINERS:
-            # A peer is gone: release the workers' collectives while the round forms.
-            self._assign(worker_group, Assignment(self._round() + 1, pending=True, abort=True))
-        pids = {w.local_rank: w.id for w in worker_group.workers}
-        self._rendezvous(worker_group)
-        for w in worker_group.workers:
-            w.id = pids[w.local_rank]
-        self._assign(worker_group)
-        worker_group.state = WorkerState.HEALTHY
-        seconds = time.monotonic() - started
-        metrics.on_change("inplace")
-        logger.info(
-            "Re-formed in place: round %d, world size %d (%s) in %.3f s; no worker restarted.",
-            self._round(),
-            worker_group.workers[0].world_size,
-            kind,
-            seconds,
-        )
-        events.emit(
-            "rdzv.inplace",
-            round=self._round(),
-            world_size=worker_group.workers[0].world_size,
-            change=kind,
-            seconds=round(seconds, 4),
-        )
-
-    def _registrations(self) -> list[channel.Registration]:
-        """The local workers' registrations for the current round (in place only)."""
-        if not self._offers_in_place():
-            return []
-        current = self._round()
-        found = []
-        for w in self._worker_group.workers:
-            reg = channel.read_registration(channel.prefix_for(os.getpid(), w.local_rank))
-            if reg is not None and reg.round >= current:
-                found.append(reg)
-        return found
-
-    _left = False  # this agent has left the rendezvous
-
-    def _leave_in_place(self) -> None:
-        """SIGTERM with workers in place: leave the rendezvous now, so that the others
-        re-form at once, and tell our workers to stop (their step in flight is dropped:
-        the others redo it without us) instead of waiting for them to exit first."""
-        handler = self._handler()
-        if handler is None or not self._in_place_ready(self._worker_group):
-            return
-        logger.warning("Leaving the rendezvous before our workers stop (they run in place).")
-        try:
-            handler.leave()
-            self._left = True
-        except Exception as exc:  # the others notice by heartbeat expiry
-            logger.warning("Could not leave the rendezvous: %s", exc)
-        note = Assignment(self._round() + 1, pending=True, abort=True, leave=True)
-        self._assign(self._worker_group, note)
-
-    def _workers_ask_for_round(self, handler: MembershipHandler) -> None:
-        """A worker whose step failed asks for a new round (once a round)."""
-        current = self._round()
-        if current <= self._asked_round:
-            return
-        for reg in self._registrations():
-            if reg.want_round:
-                if handler.is_closed():  # no round will form: end as torch's restart would
-                    raise RendezvousClosedError(
-                        "A worker's step failed on a lost peer and the rendezvous is closed "
-                        "(the job finished or was stopped on another node); this node stops."
-                    )
-                logger.info("A worker's step failed with no new round; forming one.")
-                self._asked_round = current
-                handler.request_reform()
-                return
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         # The node stays: the workers need not persist a checkpoint (see elastic.reform).
         with reform.marking(os.getpid()):
-            self._stop_for_reform(worker_group)
+            self._stop_or_kill_after_grace(worker_group)
 
-    def _stop_for_reform(self, worker_group: WorkerGroup) -> None:
+    def _stop_or_kill_after_grace(self, worker_group: WorkerGroup) -> None:
+        """torch's stop, or, when a peer is gone, SIGTERM and SIGKILL after the grace."""
         change, self._change = self._change, None
         if change is not None and change.kind in _PEER_GONE:
             # A peer vanished mid-run: our workers are (or soon will be) blocked in a
@@ -282,7 +185,8 @@ class NodeAgent(LocalElasticAgent):
         try:
             return super()._invoke_run(role)
         except SignalException:
-            self._leave_in_place()
+            if self._host is not None:
+                self._host.leave(self._worker_group)
             raise
         finally:
             spec.monitor_interval, self._tick_s = self._tick_s, None
@@ -293,8 +197,9 @@ class NodeAgent(LocalElasticAgent):
         or the handler sees a new membership change (a peer left: the workers wait on it
         in their next collective): every tick of this wait would be added to the
         recovery. The handler's answer is local (its watch keeps it current)."""
-        in_place = bool(getattr(self, "_worker_group", None)) and self._offers_in_place()
-        handler = self._handler() if in_place else None
+        group: WorkerGroup | None = getattr(self, "_worker_group", None)
+        host = self._host if group is not None else None
+        handler = self._handler() if host is not None else None
         before = handler.membership_change() if handler is not None else None
         deadline = time.monotonic() + timeout
         with contextlib.ExitStack() as stack:
@@ -303,13 +208,13 @@ class NodeAgent(LocalElasticAgent):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
-                step = min(left, WAITING_TICK_S) if in_place else left
+                step = min(left, WAITING_TICK_S) if host is not None else left
                 if handles:
                     if wait(handles, step):
                         return
                 else:
                     time.sleep(step)
-                if in_place and any(r.waiting for r in self._registrations()):
+                if host is not None and group is not None and host.any_waiting(group):
                     return
                 if handler is not None and handler.membership_change() != before:
                     return
@@ -317,13 +222,15 @@ class NodeAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._tick_s is not None:
             self._wait_for_worker_exit(self._tick_s)
+        self._collect_script_exits()
         result = super()._monitor_workers(worker_group)
         handler = self._handler()
         if handler is None:
             return result
         if result.state == WorkerState.HEALTHY:
             self._end_frozen_workers(handler)
-            self._workers_ask_for_round(handler)
+            if self._host is not None:
+                self._host.ask_for_round_if_wanted(worker_group)
             self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
             return result
         if result.state != WorkerState.FAILED or not result.failures:
@@ -337,6 +244,25 @@ class NodeAgent(LocalElasticAgent):
         metrics.on_change("failure")
         self._spend_job_restart(handler)
         return result
+
+    def _collect_script_exits(self) -> None:
+        """Hand torch the (None) return value of each forked script that ended with 0.
+
+        A forked script closes the descriptors it inherited, torch's return-value queue
+        among them, as a fresh process has none (:mod:`elastic.agent.plain_script`), and
+        ends without returning to torch's wrapper; torch's context waits for a value from
+        every worker before it reports the group done. torch's own workers (ours, a
+        function entrypoint) put theirs before they exit: their queue is not empty then.
+        """
+        pcontext = getattr(self, "_pcontext", None)
+        processes = getattr(getattr(pcontext, "_pc", None), "processes", None)
+        queues = getattr(pcontext, "_ret_vals", None)
+        values = getattr(pcontext, "_return_values", None)
+        if not processes or queues is None or values is None:
+            return  # not a forked group (a cold start: torch reads the exit codes)
+        for rank, proc in enumerate(processes):
+            if rank not in values and proc.exitcode == 0 and queues[rank].empty():
+                queues[rank].put(None)
 
     def _end_frozen_workers(self, handler: MembershipHandler) -> None:
         """SIGKILL workers stopped for FROZEN_S seconds: the next check sees them failed."""
@@ -408,7 +334,7 @@ class NodeAgent(LocalElasticAgent):
             return super().run(role)
         except SignalException as exc:
             handler = self._handler()
-            if handler is not None and not self._left:
+            if handler is not None and not (self._host is not None and self._host.left):
                 logger.warning("Received %s: leaving the rendezvous.", exc.sigval)
                 try:
                     handler.leave()

@@ -1,0 +1,144 @@
+"""When a user's script must start cold (a fresh ``python -u``, torchrun's command).
+
+Where a warm start (:mod:`elastic.agent.plain_script`) could differ from a fresh process
+it is not made: the agent starts that worker cold, as torchrun would, and logs the reason
+once (:func:`note_cold`). Cold when: ``ELASTIC_WARM_START=0``; ``--no-python`` (not Python)
+or ``--run-path``; ``$PYTHON_EXEC`` names another interpreter; the agent runs with
+interpreter options a fresh ``python -u`` would not have (``-X``, ``-O``, ``-W``, ``-I``
+...); the script is not a Python source file (a directory, a zip, a .pyc) or its module is
+not found; the script touches ``os.environ``/``putenv`` before its first import of torch
+(it means to steer torch's import, which the server already made) (:func:`cold_reason`,
+once at the agent's start). And at each start (:func:`elastic.agent.forkserver.server_cold_reason`):
+the agent's environment differs from the one the server started with (``TORCHELASTIC_*``
+and the inductor cache dir aside: torch's agent sets them, torch reads them at run time);
+the server has more than one thread, or has loaded the CUDA driver or opened a GPU device.
+For a plain script the server starts once torchrun's options are parsed (they set
+OMP_NUM_THREADS), so the first start waits for its imports; restarts are forks.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import io
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from elastic import env
+from elastic.agent.forkserver import enabled
+
+logger = logging.getLogger(__name__)
+
+# What imports the server made: a script that sets the environment before one of these
+# means to steer that import.
+_PRELOADED_ROOTS = ("torch", "torchvision")
+_told: set[str] = set()  # the cold-start reasons already logged
+
+# The interpreter options a worker inherits from the server (the agent's), all but -u
+# (torchrun's, which the forked worker makes for itself), as one printable value.
+_FLAGS_PROBE = (
+    "import sys; print(repr(sorted((n, getattr(sys.flags, n)) for n in dir(sys.flags) "
+    "if not n.startswith(('_', 'n_', 'count', 'index', 'unbuffered')))) "
+    "+ repr(sys._xoptions) + repr(sys.warnoptions))"
+)
+
+
+def note_cold(reason: str) -> None:
+    """Log once per reason that workers start cold (fresh processes): at INFO when that is
+    asked for (``ELASTIC_WARM_START=0``)."""
+    if reason not in _told:
+        _told.add(reason)
+        expected = reason.startswith(f"${env.WARM_START}")
+        level = logging.INFO if expected else logging.WARNING
+        logger.log(level, "Starting the workers cold (fresh processes): %s", reason)
+
+
+def _fresh_flags(executable: str) -> str | None:
+    """The options of a fresh ``python -u`` under this environment, or None."""
+    try:
+        out = subprocess.run(
+            [executable, "-u", "-c", _FLAGS_PROBE], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _own_flags() -> str:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(_FLAGS_PROBE, {})
+    return buf.getvalue().strip()
+
+
+def _script_source(target: str, module: bool) -> tuple[str | None, str]:
+    """(the script's source file, "") or (None, why it cannot start warm)."""
+    if module:
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError) as exc:
+            return None, f"the module {target} cannot be found ({exc})."
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{target}.__main__")
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            return None, f"the module {target} is not a Python source file."
+        return spec.origin, ""
+    path = Path(target)
+    if not path.is_file() or path.suffix in (".pyc", ".pyo") or zipfile.is_zipfile(path):
+        return None, f"{target} is not a Python source file (a directory, zip or .pyc)."
+    return str(path), ""
+
+
+def _sets_env_before_torch(source: str) -> bool:
+    """Whether the script touches ``os.environ``/``putenv`` before it first imports torch."""
+    try:
+        tree = ast.parse(Path(source).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return True  # a fresh interpreter reports it the way the script's user expects
+    for stmt in tree.body:
+        for node in ast.walk(stmt):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            if any(n.split(".")[0] in _PRELOADED_ROOTS for n in names):
+                return False
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "putenv"):
+                return True
+            if isinstance(node, ast.Name) and node.id in ("environ", "putenv"):
+                return True
+    return False
+
+
+def cold_reason(target: str, module: bool, no_python: bool, run_path: bool) -> str | None:
+    """Why a user's script must start cold (once, at the agent's start), or None."""
+    if not enabled():
+        return f"${env.WARM_START} turns warm starts off."
+    if no_python:
+        return "--no-python: the entrypoint is not a Python script."
+    if run_path:
+        return "--run-path runs the script inside the agent."
+    executable = os.environ.get("PYTHON_EXEC", sys.executable)
+    if os.path.realpath(executable) != os.path.realpath(sys.executable):
+        return f"$PYTHON_EXEC ({executable}) is not the agent's interpreter."
+    source, why = _script_source(target, module)
+    if source is None:
+        return why
+    if _sets_env_before_torch(source):
+        return f"{source} sets environment variables before it imports torch."
+    fresh = _fresh_flags(executable)
+    if fresh != _own_flags():
+        return (
+            "the agent runs with interpreter options (-X, -O, -W ...) that its workers, "
+            "fresh `python -u` processes, would not have."
+        )
+    return None
+
+
+__all__ = ["cold_reason", "note_cold"]

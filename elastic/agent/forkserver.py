@@ -1,0 +1,149 @@
+"""The agent's fork server: workers are forks of a process that has already imported torch.
+
+A fresh worker process spends seconds starting Python and importing torch, most of the
+time from a crash to the next training step (the figures: docs/benchmarks.md). The agent
+instead starts Python's ``forkserver`` once, when it starts, and has it import what its
+workers need while the rendezvous runs: :data:`PRELOAD` for our worker,
+:data:`SCRIPT_PRELOAD` for a user's script (torch only: a script imports the rest itself,
+and a joining node's first worker waits for these imports). Every worker, first or
+restarted, is then a ``fork()`` of that server: a few milliseconds.
+
+Forking after ``import torch`` is safe here: the server only imports (no CUDA context, no
+thread pool exists yet), as torch's own DataLoader workers rely on;
+:func:`server_cold_reason` checks it before each start.
+
+Process tree and cleanup: agent -> fork server -> workers. The server asks Linux to kill
+it when the agent dies (:mod:`elastic.agent.forkserver_init`; its own "alive" pipe is not
+enough, since the workers hold it too) and each worker asks the same of the server
+(:func:`elastic.procs.die_with_parent`), so a ``kill -9`` of the agent still leaves no
+worker behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Sequence
+from multiprocessing import forkserver
+from pathlib import Path
+
+from elastic import env, reform
+
+logger = logging.getLogger(__name__)
+
+START_METHOD = "forkserver"
+WORKER_MODULE = "elastic.training.worker"
+_INIT = "elastic.agent.forkserver_init"  # first: the server dies with the agent
+# Imported once by the fork server of our worker; each worker then starts with them loaded.
+PRELOAD = [_INIT, "torch", "torch.distributed.checkpoint", "torchvision", WORKER_MODULE]
+# The fork server of a user's script: torch only (what the script imports first, and the
+# slow part of a fresh start); a joining node's worker forks as soon as this is done.
+SCRIPT_PRELOAD = [_INIT, "torch"]
+
+# Variables torch's agent sets in its own environment after the server started
+# (TORCHELASTIC_SIGNALS_TO_HANDLE, the inductor cache dir): read at run time, not by an
+# import; the worker still gets their values of the moment. (The user's environment cannot
+# change after the agent started: what changes is the agent's own doing.)
+_RUNTIME_ONLY = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
+
+_started = False
+_server_env: dict[str, str] = {}  # the agent's environment when the server started
+
+
+def enabled() -> bool:
+    """Whether warm starts are on (``ELASTIC_WARM_START=0`` turns them off)."""
+    return env.flag(env.WARM_START)
+
+
+def start_server(modules: Sequence[str] = PRELOAD) -> None:
+    """Start the fork server now and have it import ``modules`` in the background.
+
+    Returns at once; the first fork waits for the imports to finish. Call it before
+    anything else starts (the server inherits this process's environment). Only the first
+    call starts a server.
+    """
+    global _started
+    if _started:
+        return
+    _started = True
+    _server_env.update(os.environ)
+    started = time.monotonic()
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(modules))
+    forkserver.ensure_running()
+    logger.info(
+        "Started the worker fork server in %.2f s; it is importing %s.",
+        time.monotonic() - started,
+        ", ".join(modules),
+    )
+
+
+def run_worker(*argv: str) -> None:
+    """The agent's entry point in a forked worker: ``python -m elastic.training.worker ARGV``."""
+    from elastic.training.worker import main, stopped_by_signal
+
+    # As torchrun's workers: a session of our own (a Ctrl-C in the agent's terminal
+    # reaches the agent, which forwards it once; a second signal would stop us
+    # mid-step without a checkpoint), and output that is not held in a buffer.
+    os.setsid()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    code = main(list(argv))
+    if code == reform.OK and stopped_by_signal():
+        # Stopped by a signal: whoever sent it waits for the process to end. A forked
+        # worker that returns instead waits for the agent to collect its return value,
+        # which an agent busy stopping its workers never does (torch then kills it
+        # after 30 s). Leave as a worker stopped for a re-form does.
+        code = reform.EXIT_CODE
+    if code:
+        sys.exit(code)
+
+
+def _server_pid() -> int | None:
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
+
+
+def server_cold_reason() -> str | None:
+    """Why the next start must be cold (checked before each start), or None."""
+    drift = sorted(
+        k
+        for k in set(os.environ) | set(_server_env)
+        if os.environ.get(k) != _server_env.get(k) and not k.startswith(_RUNTIME_ONLY)
+    )
+    if drift:
+        return (
+            "the agent's environment changed since the fork server started "
+            f"({', '.join(drift)}); a fresh worker would import torch under the new one."
+        )
+    pid = _server_pid()
+    if pid is None:
+        return None  # not running yet: the first fork starts it with this environment
+    try:
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        fds = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                fds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    except OSError:
+        return None  # it ended: the next fork starts a new one
+    if threads > 1:
+        return f"the fork server runs {threads} threads (forking it could copy a held lock)."
+    if "libcuda.so" in maps or any(f.startswith("/dev/nvidia") for f in fds):
+        return "the fork server has loaded the CUDA driver (a CUDA context must not be forked)."
+    return None
+
+
+__all__ = [
+    "PRELOAD",
+    "SCRIPT_PRELOAD",
+    "START_METHOD",
+    "WORKER_MODULE",
+    "enabled",
+    "run_worker",
+    "server_cold_reason",
+    "start_server",
+]
