@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -62,11 +63,45 @@ class Assignment:
 
     @classmethod
     def from_json(cls, text: str) -> Assignment:
+        """Parse and check an agent's file.
+
+        Raises:
+            ValueError: not a JSON object, or a field of the wrong type or out of range
+                (a round is a whole number from -1 to :data:`MAX_ROUND`, a port 0-65535).
+        """
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("an assignment is a JSON object")
         fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        for name, value in fields.items():
+            _check_field(name, value)
         return cls(**fields)
+
+    def formed_after(self, round_: int) -> bool:
+        """Whether this is a formed (not pending) round newer than ``round_``: the one
+        answer to "is there a newer formed round?"."""
+        return not self.pending and self.round > round_
+
+
+MAX_ROUND = 1 << 53  # far beyond any job's rounds, and exact in every JSON reader
+_INTS = {"round": (-1, MAX_ROUND), "rank": (-1, 1 << 20), "world_size": (0, 1 << 20)}
+_INTS["master_port"] = (0, 65535)
+
+
+def _check_field(name: str, value: Any) -> None:
+    """One field of an agent's file: its type and range (ValueError naming it)."""
+    if name in _INTS:
+        low, high = _INTS[name]
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(f"{name}={value!r} is not a whole number from {low} to {high}")
+    elif name in ("pending", "abort", "leave"):
+        if type(value) is not bool:
+            raise ValueError(f"{name}={value!r} is not true or false")
+    elif name in ("master_addr", "fence"):
+        if not isinstance(value, str):
+            raise ValueError(f"{name}={value!r} is not a string")
+    elif name == "issued" and (type(value) not in (int, float) or not math.isfinite(value)):
+        raise ValueError(f"issued={value!r} is not a finite number")
 
 
 @dataclass(frozen=True)
@@ -131,7 +166,8 @@ def read_assignment(prefix: str | os.PathLike[str]) -> Assignment | None:
         return None
     try:
         return Assignment.from_json(text)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError) as exc:
+        logger.warning("Ignoring the agent's file %s: %s.", paths(prefix)[0], exc)
         return None
 
 
@@ -145,13 +181,13 @@ def read_registration(prefix: str | os.PathLike[str]) -> Registration | None:
         return None
     try:
         raw = json.loads(text)
-        return Registration(
-            int(raw["pid"]),
-            int(raw["round"]),
-            bool(raw.get("want_round")),
-            bool(raw.get("waiting")),
-        )
-    except (ValueError, TypeError, KeyError):
+        pid, round_ = raw["pid"], raw["round"]
+        if type(pid) is not int or type(round_) is not int:
+            return None
+        if not (0 < pid < 1 << 32 and -1 <= round_ <= MAX_ROUND):
+            return None
+        return Registration(pid, round_, bool(raw.get("want_round")), bool(raw.get("waiting")))
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
 
 
@@ -224,7 +260,10 @@ class Watcher:
             self._stat = key
             got = read_assignment(self.prefix)
             if got is not None:
-                self._offer(got)
+                try:
+                    self._offer(got)
+                except Exception:  # never leave the worker deaf to its agent
+                    logger.exception("Ignoring an assignment that could not be taken: %s", got)
 
     def _offer(self, got: Assignment) -> None:
         with self._cond:
@@ -247,7 +286,7 @@ class Watcher:
         now = time.monotonic()
         with self._cond:
             newest = self._newest
-            if newest is None or newest.pending or newest.round <= self._joined_round:
+            if newest is None or not newest.formed_after(self._joined_round):
                 self._formed_at = None
                 return
             if self._formed_at is None or self._formed_at[0] != newest.round:
@@ -269,7 +308,7 @@ class Watcher:
         with self._cond:
             while True:
                 a = self._newest
-                if a is not None and a.round > after and not a.pending:
+                if a is not None and a.formed_after(after):
                     return a
                 if self.leaving:
                     return None
@@ -284,6 +323,7 @@ class Watcher:
 
 
 __all__ = [
+    "MAX_ROUND",
     "Assignment",
     "Registration",
     "Watcher",

@@ -68,18 +68,13 @@ class Member:
     def round(self) -> int:
         return self.assignment.round if self.assignment is not None else -1
 
-    def newest_round(self) -> int:
-        """The newest round the agent has announced (pending or formed)."""
-        newest = self.watcher.newest
-        return newest.round if newest is not None else -1
-
     def switch_vote(self) -> int:
         """This rank's vote on moving to a newer round at this step boundary (a join: the
         survivors train on in the old group until the joiner's process reaches ``Run``):
         :data:`READY` when every rank of it is ready, :data:`BROKEN` when this rank cannot
         reach its store (it must restart), else :data:`NOT_YET`."""
         a = self.watcher.newest
-        if a is None or a.pending or a.round <= self.round:
+        if a is None or not a.formed_after(self.round):
             return NOT_YET
         try:
             store = self._ready_store(a)
@@ -165,7 +160,7 @@ class Member:
                 logger.info("The store of round %d went away (%s).", round_, exc)
                 store = None
             newer = self.watcher.newest
-            if newer is not None and not newer.pending and newer.round > round_:
+            if newer is not None and newer.formed_after(round_):
                 return newer
             if self.leaving:
                 raise RecoveryError("This node leaves the job.")

@@ -277,14 +277,16 @@ class StepSnapshots:
         self._stepped = False
         self._boundary = Boundary.keep(step, self.model, self._extra())
 
-    def write_live(self, step: int) -> None:
-        """Snapshot the live state as step ``step`` now, synchronously (a peer will stream
-        it to a joiner), unless the newest snapshot is that step already."""
+    def write_live(self, step: int, round_: int | None = None) -> None:
+        """Snapshot the live state as step ``step`` of round ``round_`` (default: this
+        round; in place, the round whose group produced it) now, synchronously (a peer will
+        stream it to a joiner), unless the newest snapshot is that already."""
+        round_ = self.round if round_ is None else round_
         self.snapshotter.wait()
         found = self.store.newest()
-        if found is not None and (found[1].step, found[1].round) == (step, self.round):
+        if found is not None and (found[1].step, found[1].round) == (step, round_):
             return
-        self.snapshotter.take(step, self.round, self._state(), set())
+        self.snapshotter.take(step, round_, self._state(), set())
         self.snapshotter.wait()
 
     def _due(self, step: int) -> bool:

@@ -8,16 +8,19 @@
             ...  # forward, backward, optimizer.step() as before
 
 (or ``for step in run.steps(total):`` for a loop without epochs). Constructing the Run
-resumes: from this node's shared-memory snapshot, else from a peer's (streamed over a
-gloo group), else from shared storage (:mod:`elastic.recovery.exchange`). After every
+resumes (:mod:`elastic.recovery.resume`): from this node's shared-memory snapshot, else from
+a peer's (streamed over a gloo group), else from shared storage. After every
 ``snapshot_every`` steps (``"auto"``: as often as costs under 3 % of the step time) the
 state is snapshotted to shared memory (:mod:`elastic.recovery.snapshot`), and when the
 loop fails (a peer died: a collective raised; an exception; a stop) the state of the
 last completed step is written there at once (:mod:`elastic.recovery.jit`); every
 ``checkpoint_every`` steps it is also persisted, fenced, through
-:class:`elastic.checkpoint.CheckpointManager`. On SIGTERM the group finishes the step,
-saves, and this rank exits 0; its peers exit :data:`elastic.reform.EXIT_CODE` so that
-their agents re-form the group without spending a restart.
+:class:`elastic.checkpoint.CheckpointManager`.
+
+After each step the group agrees, in one all-reduce, on what follows
+(:mod:`elastic.recovery.boundary`); what a membership change does depends on the path
+chosen at construction (:mod:`elastic.recovery.group`): restart, or re-form in place.
+Only a stop of every rank ends the job's loop early (event ``job.stopped``).
 """
 
 from __future__ import annotations
@@ -32,35 +35,26 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from types import FrameType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
-from elastic import env, events, reform, runid
+from elastic import env, reform, runid
 from elastic.errors import RecoveryError
 from elastic.inplace import groups
-from elastic.inplace.channel import Assignment
-from elastic.inplace.member import BROKEN, READY, Member
 from elastic.procs import die_with_parent
-from elastic.recovery import exchange
-from elastic.recovery.codec import from_json, to_json
-from elastic.recovery.jit import AUTO, Every, StepSnapshots, stable_ptrs
+from elastic.recovery import group as paths
+from elastic.recovery.agreement import Exit, StepEnd
+from elastic.recovery.codec import to_json
+from elastic.recovery.jit import AUTO, Every, StepSnapshots
+from elastic.recovery.resume import Resumer
 from elastic.recovery.sampler import DistributedSampler
 from elastic.recovery.snapshot import DEFAULT_DIR, SnapshotStore
 
 logger = logging.getLogger(__name__)
 B = TypeVar("B")
-REFORM_ATTEMPTS = 3  # rounds a re-form tries while peers keep failing, before it restarts
-
-
-class _Reform(Exception):
-    """The group re-forms in place after this step (a round changed, a peer is gone)."""
-
-
-class _Interrupted(RecoveryError):
-    """A re-form was cut short before any state moved (a peer failed): try the next round."""
 
 
 class Run:
@@ -98,6 +92,21 @@ class Run:
     :func:`elastic.init_process_group` under our agent, a change of membership re-forms the
     group inside this process (:mod:`elastic.inplace`); :attr:`rank` and
     :attr:`world_size` follow it.
+
+    Global side effects of constructing a Run (it buys the four-line API):
+
+    * under an agent, this process dies with its parent (``PR_SET_PDEATHSIG``);
+    * SIGTERM and SIGINT handlers (restored when the Run ends);
+    * a torch ``DistributedSampler`` given (or the loader's) becomes an
+      :class:`elastic.DistributedSampler` (its class is swapped, no new state);
+    * ``global_batch_size``: the loader's batch sampler's ``batch_size`` is set;
+    * forward/step hooks on the model and optimizer for snapshots, and ``sys.excepthook``
+      (a failure-time snapshot, :mod:`elastic.recovery.jit`);
+    * restart path: a gloo group of its own (and one for checkpoints);
+    * in place: the default process group itself is replaced on each re-form; the
+      optimizer's and scheduler's ``step`` are wrapped, the model gets a DDP comm hook and
+      its buffer broadcast is guarded (:mod:`elastic.inplace.guard`); ``faulthandler``
+      is enabled; the DDP model's reducer is rebuilt on each re-form.
     """
 
     def __init__(
@@ -130,29 +139,30 @@ class Run:
         self.resumed_from = "fresh"
         self.received_bytes = 0
         self.reforms = 0  # in-place re-forms this process took part in
+        self._resumer = Resumer(self)
+        self._step_end = StepEnd(self)
+        self._group = paths.pick(self)  # the one choice of path
+        self._member = self._group.member
         self._join_group()
         self._configure_checkpoints(checkpoint, checkpoint_url, checkpoint_every, keep_last)
         self._init_from = init_from or getattr(checkpoint, "init_from", None)
         self._make_snapshots(snapshot_dir)
         self._reset_loop_state()
-        self._install_signals()
-        self._start()
+        self._signals = _StopSignals()
+        self._group.start()
 
     def _join_group(self) -> None:
-        """Where this rank trains: the job's group, joined in place when the agent offers
-        it (``elastic.init_process_group``), else the one the script formed, or none."""
-        self._member = Member.from_env()
-        joined: Assignment | None = None
-        if self._member is not None:
-            self._member.guard.install(self.model, self.optimizer, self.scheduler)
-            joined = self._member.join()[0]
+        """Where this rank trains: the job's group (in place: the agent's round)."""
+        joined = self._group.join()
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._round_of_state = -1  # the round whose group produced the live state
-        self._ctl = self._control_group() if self.distributed else None
-        self._fence = _fence_from_env(joined.fence if joined is not None else None)
+        self._set_fence(joined.fence if joined is not None else None)
         self._round = joined.round if joined is not None else _round_of(self._fence)
+
+    def _set_fence(self, value: str | None) -> None:
+        self._fence = _fence_from_env(value)
 
     def _configure_checkpoints(
         self, checkpoint: Any, url: str | os.PathLike[str] | None, every: int, keep_last: int
@@ -167,8 +177,14 @@ class Run:
             from elastic.checkpoint.config import CheckpointConfig
 
             self._ckpt_cfg = CheckpointConfig(url=str(url), interval=every, keep_last=keep_last)
-        if self._ckpt_cfg is not None and self._member is None:
+        if self._ckpt_cfg is not None and not self._group.in_place:
             self._checkpoints = self._checkpoint_manager()
+
+    def _checkpoint_manager(self) -> Any:
+        from elastic.checkpoint import CheckpointManager
+
+        group = self._group.checkpoint_group() if self.distributed else None
+        return CheckpointManager(self._ckpt_cfg, self.run_id, group, self._fence)
 
     def _make_snapshots(self, directory: str) -> None:
         local_rank = int(os.environ.get(env.LOCAL_RANK, "0"))
@@ -188,43 +204,11 @@ class Run:
     def _reset_loop_state(self) -> None:
         self._in_batches = False
         self._dealt = False  # the current epoch's body ran through batches()
-        self._job_stopped = False  # every rank stopped at the last agreement
-        self._stop = False
-        self._signalled = False
-        self._reform_only = False  # our agent stops us to re-form (elastic.reform)
-        self._persist_on_stop = True
-        self._previous: dict[int, Any] = {}
         self._last_saved = -1
         self._last_step_at = time.perf_counter()
         self._batch = 0
         self._loss = torch.zeros(2, dtype=torch.float64)  # this step's (sum, weight)
         self.loss: float | None = None  # the group's mean loss of the last step
-
-    def _start(self) -> None:
-        """Resume: in place, join the group's state; else the usual resume."""
-        if self._member is not None:
-            self._on_new_group()
-            self._sync_state(live=False)
-            return
-        if self._checkpoints is not None:
-            # An unwritable URL: one sentence, at start (a collective: every rank starts
-            # here together, unlike a joiner in place, whose peers are mid-run).
-            self._checkpoints.check_storage()
-        self._resume()
-
-    def _control_group(self) -> dist.ProcessGroup | None:
-        """Our collectives' group: the job's own when in place (it is swapped on each
-        re-form; our collectives run on the training thread between steps), else a
-        gloo group of its own."""
-        return dist.group.WORLD if self._member is not None else _gloo_group()
-
-    def _checkpoint_manager(self) -> Any:
-        from elastic.checkpoint import CheckpointManager
-
-        group = None
-        if self.distributed:
-            group = groups.side_group() if self._member is not None else _gloo_group()
-        return CheckpointManager(self._ckpt_cfg, self.run_id, group, self._fence)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -234,11 +218,8 @@ class Run:
         with self._failures("steps"):
             while self.step < total:
                 yield self.step
-                try:
-                    self._finish_step(final=self.step + 1 >= total)
-                except _Reform:
-                    self._reform()
-        self._complete()
+                self._finish_step(final=self.step + 1 >= total)
+        self._shutdown(Exit.DONE)
 
     def epochs(self, total: int) -> Iterator[int]:
         """Yield the epochs still to run (the first one may be resumed mid-way).
@@ -261,7 +242,7 @@ class Run:
                     f"{self.step}); the loop stops rather than skip epochs. This is a bug: "
                     "please report it with the worker's log."
                 )
-        self._complete()
+        self._shutdown(Exit.DONE)
 
     def batches(self, loader: Iterable[B]) -> Iterator[B]:
         """Yield the batches of the current epoch still to train on; each one is a step."""
@@ -277,65 +258,29 @@ class Run:
         self._jit.restart_clock()
         with self._failures("batches"):
             self._in_batches = True
-            while True:
-                try:
-                    for batch in loader:
-                        yield batch
-                        self._finish_step()
-                    break
-                except _Reform:
-                    self._reform()
-                    self._deal_rest(epoch)
+            dealing = True
+            while dealing:  # again after each re-form: the rest of the epoch, re-dealt
+                dealing = False
+                for batch in loader:
+                    yield batch
+                    if self._finish_step():
+                        self._deal_rest(epoch)
+                        dealing = True
+                        break
             self._in_batches = False
         self.epoch, self.consumed = self.epoch + 1, 0
 
-    def _finish_step(self, final: bool = False) -> None:
-        """Count the step just run, unless its collectives failed before the optimizer
-        stepped (in place: then the state of the last completed step is restored and the
-        group re-forms; a step whose optimizer stepped is complete and counts)."""
-        guard = self._member.guard if self._member is not None else None
-        if guard is not None and guard.failure is not None and not guard.committed:
-            if self._stop or self._member.leaving:  # type: ignore[union-attr]
-                self._leave()  # the step in flight was this node's last
-            self._rewind()
-            self._loss.zero_()
-            raise _Reform
-        if guard is not None:
-            guard.committed = False
-        if self._in_batches:
-            self.consumed += self._batch * self.world_size
-        self._after_step(final=final)
+    def _finish_step(self, final: bool = False) -> bool:
+        """After each step: count it, agree, act (:class:`StepEnd`); True: re-formed."""
+        return self._step_end.after_step(final)
 
     def _set_batch(self) -> None:
-        """Each rank's batch: the loader's, or the share of the constant global batch."""
-        loader = self._loader
-        if self.global_batch_size is not None:
-            share, rest = divmod(self.global_batch_size, self.world_size)
-            if rest or not share:
-                raise RecoveryError(
-                    f"global_batch_size={self.global_batch_size} does not divide among "
-                    f"{self.world_size} ranks; choose a multiple of every world size the "
-                    "job may run at."
-                )
-            batch_sampler = getattr(loader, "batch_sampler", None)
-            if batch_sampler is not None and hasattr(batch_sampler, "batch_size"):
-                batch_sampler.batch_size = share
-            self._batch = share
-            return
-        self._batch = int(getattr(loader, "batch_size", 0) or 0)
+        self._batch = _set_batch(self._loader, self.global_batch_size, self.world_size)
 
     def _deal_rest(self, epoch: int) -> None:
-        """After a re-form in epoch ``epoch``: deal its remaining samples to the new group.
-
-        The state the group agreed on (a rewound step, a peer's) may be the boundary kept
-        at the end of the previous epoch: its last step's, taken before the loop moved on
-        to ``epoch`` (``epoch - 1``, every sample consumed). It is the same point as
-        ``epoch`` with nothing consumed, and is taken as such: dealt as it stands, the
-        epoch would find nothing left and the epoch loop would skip one (issue 25).
-
-        Raises:
-            RecoveryError: the agreed state is of another epoch still (a bug).
-        """
+        """After a re-form in epoch ``epoch``: deal its remaining samples to the new group
+        (a state of the previous epoch's last boundary is ``epoch``'s start:
+        :func:`rolled_over`)."""
         self.epoch, self.consumed = rolled_over(self.epoch, self.consumed, epoch, self.step)
         if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(self.epoch)
@@ -351,7 +296,7 @@ class Run:
         except GeneratorExit:
             self._jit.failed(f"the loop over {where}() ended early")
             raise
-        except SystemExit:  # our own stop: _complete() wrote the final snapshot
+        except SystemExit:  # our own stop: _shutdown() wrote the final snapshot
             raise
         except BaseException as exc:
             self._jit.failed(f"{type(exc).__name__} in {where}(): {exc}")
@@ -365,6 +310,8 @@ class Run:
         self.step += 1
         return self.step
 
+    # -- the user's calls -------------------------------------------------------------------
+
     def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> bool:
         """``dist.all_reduce(tensor)`` (sum) on the group, safe across a peer's failure: in
         place, a collective that fails or hangs on a lost peer returns False instead of
@@ -373,10 +320,7 @@ class Run:
         op = dist.ReduceOp.SUM if op is None else op
         if not self.distributed or self.world_size == 1:
             return True
-        if self._member is None:
-            dist.all_reduce(tensor, op=op)
-            return True
-        return self._member.guard.all_reduce(tensor, op)
+        return self._group.all_reduce(tensor, op)
 
     def log_loss(self, value: float | torch.Tensor, weight: float = 1.0) -> None:
         """This rank's loss of the step (``weight``: e.g. its number of samples). It rides
@@ -398,10 +342,24 @@ class Run:
         if self._checkpoints is not None:
             self._checkpoints.wait()
 
+    def close(self) -> None:
+        """Wait for background work and unmap the snapshot files (they stay for a restart)."""
+        self._shutdown(Exit.CLOSED)
+
     @property
     def stopped_by_signal(self) -> bool:
         """Whether SIGTERM/SIGINT stopped this run (it saved first)."""
-        return self._signalled
+        return self._signals.signalled
+
+    @property
+    def round(self) -> int:
+        """The rendezvous round whose group this rank trains in (0 without a fence)."""
+        return self._round
+
+    @property
+    def snapshot_stats(self) -> dict[str, float]:
+        """Counts and seconds spent on snapshots (``sync_s`` on the training thread)."""
+        return dict(self._snapshots.stats)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -429,10 +387,6 @@ class Run:
             extra["sampler"] = self.sampler.state_dict()
         return extra
 
-    def _stable(self) -> set[int]:
-        """Tensors only ``optimizer.step()`` changes: copied in the background."""
-        return stable_ptrs(self.optimizer)
-
     def _apply(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
@@ -454,425 +408,67 @@ class Run:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "extra": to_json(self._extra())}
 
-    # -- resume -----------------------------------------------------------------------------
+    # -- the one way out --------------------------------------------------------------------
 
-    def _resume(self, stale_live: bool = False) -> None:
-        started = time.perf_counter()
-        found = self._store.newest()
-        held = (found[1].step, found[1].round) if found and not stale_live else None
-        persisted = self._persisted_step() if self.rank == 0 else -1
-        plan = exchange.agree(held, persisted, self._ctl)
-        if plan.source == "storage":
-            self._load_storage()
-        elif plan.source == "memory":
-            self._load_memory(plan)
-        elif plan.source == "fresh" and self._init_from:
-            self._start_from(self._init_from)
-        elif plan.source == "fresh" and self._member is not None:
-            self._broadcast_model()  # DDP's own broadcast ran in a group of one
-        self._round_of_state = self._round
-        seconds = time.perf_counter() - started
-        self._last_saved = self.step if plan.source == "storage" else -1
-        logger.info(
-            "Resumed at step %d from %s in %.3f s (world size %d; held %s, persisted %d).",
-            self.step,
-            self.resumed_from,
-            seconds,
-            self.world_size,
-            held,
-            plan.persisted,
-        )
-        events.emit(
-            "recovery.resume",
-            step=self.step,
-            source=self.resumed_from,
-            seconds=round(seconds, 4),
-            bytes=self.received_bytes,
-            rank=self.rank,
-            world_size=self.world_size,
-            held=held[0] if held else None,
-            persisted=plan.persisted,
-        )
+    def _shutdown(
+        self,
+        how: Exit,
+        persist: bool = True,
+        code: int | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        """End the run ``how`` says; with ``code``, exit the process with it.
 
-    def _start_from(self, url: str) -> None:
-        """Load a foreign checkpoint's model and optimizer (every rank reads it)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from elastic.checkpoint import init_from
-
-        started = time.perf_counter()
-        state = self._persist_state()
-        group = self._checkpoints.group if self._checkpoints is not None else None
-        missing = init_from(url, state, group)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        self.resumed_from = "foreign"
-        seconds = round(time.perf_counter() - started, 4)
-        events.emit("ckpt.init", url=url, seconds=seconds, rank=self.rank, missing=missing[:20])
-
-    def _broadcast_model(self) -> None:
-        module = getattr(self.model, "module", self.model)
-        for tensor in module.state_dict().values():
-            dist.broadcast(tensor, src=0)
-
-    def _load_memory(self, plan: exchange.Plan) -> None:
-        started = time.perf_counter()
-        state, self.resumed_from, self.received_bytes = exchange.fetch(plan, self._store, self._ctl)
-        self._apply(state)
-        events.emit(
-            "ckpt.load",
-            step=self.step,
-            url="",
-            source=self.resumed_from,
-            seconds=round(time.perf_counter() - started, 4),
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-
-    def _load_storage(self) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        assert self._checkpoints is not None
-        loaded = self._checkpoints.load_latest(self._persist_state)
-        if loaded is None:
-            return
-        state = loaded[1]
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        self._apply_extra(from_json(state["extra"]))
-        self.resumed_from = "storage"
-
-    def _persisted_step(self) -> int:
-        """The newest committed checkpoint's step (commit records in etcd when fenced)."""
-        if self._checkpoints is None:
-            return -1
-        return exchange.persisted_step(self._checkpoints.cfg.url, self.run_id, self._fence)
-
-    def _group_rank(self) -> int:
-        return dist.get_rank(self._ctl) if self._ctl is not None else 0
-
-    # -- in-place re-forms ------------------------------------------------------------------
-
-    def _reform(self) -> None:
-        """Re-form the group in this process: wait for the agent's next round, swap its
-        group in and agree on the state; any failure falls back to a restart (exit
-        :data:`elastic.reform.EXIT_CODE` after a failure-time snapshot)."""
-        member = self._member
-        assert member is not None
-        started = time.perf_counter()
-        old_round, old_world = self._round, self.world_size
-        failed = member.guard.failure is not None and member.guard.aborted is None
-        broken = member.guard.aborted is not None or member.guard.failure is not None
-        for attempt in range(REFORM_ATTEMPTS):
-            try:
-                joined, waited, formed = member.join(failed=failed)
-                self._on_new_group(broken)
-                synced = self._sync_state(live=True)
-                break
-            except _Interrupted as exc:  # a peer failed mid-way: its loss makes a new round
-                logger.warning(
-                    "Re-form %d of round %d was interrupted: %s", attempt, member.round, exc
-                )
-                failed = broken = True
-                if attempt + 1 == REFORM_ATTEMPTS:
-                    self._fall_back(exc)
-            except (RecoveryError, RuntimeError) as exc:
-                if self._stop or member.leaving:
-                    self._leave()
-                self._fall_back(exc)
-        self.reforms += 1
-        seconds = time.perf_counter() - started
-        logger.info(
-            "Re-formed in place: round %d -> %d, world %d -> %d, rank %d, at step %d in "
-            "%.3f s (waited %.3f s for the round, formed the group in %.3f s, state: %s).",
-            old_round,
-            joined.round,
-            old_world,
-            self.world_size,
-            self.rank,
-            self.step,
-            seconds,
-            waited,
-            formed,
-            synced,
-        )
-        events.emit(
-            "recovery.inplace",
-            step=self.step,
-            round=joined.round,
-            rank=self.rank,
-            world_size=self.world_size,
-            pid=os.getpid(),
-            seconds=round(seconds, 4),
-            waited_s=round(waited, 4),
-            form_s=round(formed, 4),
-            state=synced,
-        )
-        self._jit.restart_clock()
-
-    def _fall_back(self, exc: BaseException) -> NoReturn:
-        logger.warning("The in-place re-form failed (%s); restarting from memory instead.", exc)
-        events.emit("recovery.fallback", step=self.step, reason=str(exc)[:300], pid=os.getpid())
-        self._jit.failed("the in-place re-form failed")
-        self._jit.close()
-        self._restore_signals()
-        if self._member is not None:
-            self._member.close()
-        raise SystemExit(reform.EXIT_CODE) from exc
-
-    def _rewind(self) -> None:
-        """Undo what a failed step changed outside ``optimizer.step()`` (which the guard
-        skipped): buffers, RNG, schedule and counters return to the last boundary."""
-        boundary = self._jit.last_boundary
-        if boundary is None or boundary.extra is None or boundary.step != self.step:
-            return
-        if boundary.buffers:
-            for buf in self.model.buffers():
-                kept = boundary.buffers.get(buf.data_ptr())
-                if kept is not None:
-                    buf.data.copy_(kept)
-        self._apply_extra(boundary.extra)
-
-    def _on_new_group(self, broken: bool = False) -> None:
-        """Carry what depends on the group into the new one: ranks, DDP, the sampler's
-        share, the per-rank batch, the fence and the checkpoints' group."""
-        member = self._member
-        assert member is not None and member.assignment is not None
-        self.distributed = True
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self._ctl = self._control_group()
-        self._round = member.assignment.round
-        self._jit.round = self._round
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            groups.update_ddp(self.model)
-        if self.sampler is not None and hasattr(self.sampler, "num_replicas"):
-            self.sampler.num_replicas, self.sampler.rank = self.world_size, self.rank
-        if self._loader is not None:
-            self._set_batch()
-        if member.assignment.fence:
-            self._fence = _fence_from_env(member.assignment.fence)
-        if self._checkpoints is not None and broken:
-            self._checkpoints.abandon()
-        elif self._checkpoints is not None:
-            self._checkpoints.close()
-        if self._ckpt_cfg is not None:
-            self._checkpoints = self._checkpoint_manager()
-
-    def _sync_state(self, live: bool) -> str:
-        """Agree on the state after a re-form: when every rank holds the same step live,
-        nothing moves ("live"); otherwise the holders of the newest state write it to
-        their snapshot and the usual resume runs (a joiner receives it from a peer)."""
-        offer = (self._round_of_state, self.step) if live else None
-        offers = self._gather_offers(offer)
-        if live and all(o == offer for o in offers):
-            source = "live"
-        else:
-            newest = max((tuple(o) for o in offers if o is not None), default=None)
-            stale = not live or newest is None or tuple(offer or ()) < newest
-            if not stale:
-                self._jit.write_live(self.step)
-            self._resume(stale_live=live and stale)
-            source = self.resumed_from
-        self._round_of_state = self._round
-        self._jit.keep_boundary(self.step)
-        return source
-
-    def _gather_offers(self, offer: tuple[int, int] | None) -> list[tuple[int, int] | None]:
-        """Every rank's ``(round, step)`` of its live state (None: none), as plain integers
-        (nothing a peer sends is unpickled), through the guard (a peer that dies or
-        freezes meanwhile fails the re-form instead of hanging it)."""
-        mine = torch.tensor([*(offer or (-1, -1)), int(offer is not None)], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        assert self._member is not None
-        if not self._member.guard.run(lambda: dist.all_gather(everyone, mine, async_op=True)):
-            raise _Interrupted("A peer failed while the group agreed on its state.")
-        return [(int(t[0]), int(t[1])) if t[2] else None for t in everyone]
-
-    # -- after each step --------------------------------------------------------------------
-
-    def _after_step(self, final: bool = False) -> None:
-        self.step += 1
-        now = time.perf_counter()
-        seconds, self._last_step_at = now - self._last_step_at, now
-        self._jit.boundary(self.step)
-        try:
-            stop = self._agree_stop()
-        finally:  # the step is complete even when its agreement failed (a peer was lost)
-            if self.rank == 0:
-                self._report(seconds)
-        if (
-            self._checkpoints is not None
-            and self.step % self.checkpoint_every == 0
-            and not (stop or final)
-        ):
-            self._checkpoints.save(self.step, self._persist_state())
-            self._last_saved = self.step
-        if stop:
-            if self._job_stopped and self.rank == 0:
-                events.emit("job.stopped", step=self.step, reason=self._stop_reason())
-            self._complete(persist=self._persist_on_stop)
-            self._teardown_groups()
-            if self._signalled or (self._member is not None and self._member.leaving):
-                logger.info("Stopped at step %d on request; exiting.", self.step)
-                raise SystemExit(reform.OK)
-            logger.info("A peer asked the group to stop at step %d; exiting to re-form.", self.step)
-            raise SystemExit(reform.EXIT_CODE)
-
-    def _report(self, seconds: float) -> None:
-        fields: dict[str, Any] = {}
-        samples = self.global_batch_size or self._batch * self.world_size
-        if samples:
-            fields["samples_per_s"] = round(samples / max(seconds, 1e-9), 2)
-        if self.loss is not None:
-            fields["loss"] = round(self.loss, 6)
-        events.emit(
-            "train.step",
-            step=self.step,
-            world_size=self.world_size,
-            epoch=self.epoch,
-            lr=self.optimizer.param_groups[0].get("lr"),
-            **fields,
-        )
-
-    def _agreed(self, summed: torch.Tensor) -> None:
-        """Take the group's loss from the agreement's sums (the last two values)."""
-        total, weight = float(summed[-2]), float(summed[-1])
-        self.loss = total / weight if weight else None
-        self._loss.zero_()
-
-    def _agree_stop(self) -> bool:
-        """Whether the group stops after this step; also agrees whether that stop needs a
-        persisted checkpoint (any rank's vote, see :meth:`_persist_vote`)."""
-        self.loss = None  # until the group agreed on it
-        if self._member is not None:
-            return self._agree_in_place()
-        flags = torch.tensor([int(self._stop), int(self._persist_vote())], dtype=torch.float64)
-        flags = torch.cat([flags, self._loss])
-        if self._ctl is not None:
-            dist.all_reduce(flags, group=self._ctl)
-        self._agreed(flags)
-        self._persist_on_stop = bool(flags[1].item())
-        self._job_stopped = int(flags[0].item()) == self.world_size
-        return bool(flags[0].item())
-
-    def _agree_in_place(self) -> bool:
-        """One all-reduce: does anyone stop, does everyone (the job ends), can every rank
-        move to the agent's newer round (all ready), can one not (broken). A partial stop (a
-        planned leave), a broken rank or a ready round re-forms the group in place; the
-        leaving ranks exit, a broken one restarts."""
-        member = self._member
-        assert member is not None
-        stop, vote = int(self._stop or member.leaving), member.switch_vote()
-        ready, broken = int(vote == READY), int(vote == BROKEN)
-        flags = torch.cat([torch.tensor([stop, broken, ready], dtype=torch.float64), self._loss])
-        if not member.guard.run(lambda: dist.all_reduce(flags, async_op=True)):
-            self._loss.zero_()
-            raise _Reform  # this step is complete: the re-form keeps it
-        self._agreed(flags)
-        world = self.world_size
-        any_stop, all_stop = flags[0].item() > 0, flags[0].item() == world
-        if broken:  # this rank cannot join the new round: restart it, the others go on
-            self._fall_back(RecoveryError("This rank cannot reach the new round's store."))
-        self._persist_on_stop = True
-        if any_stop and all_stop:
-            self._job_stopped = True
-            return True
-        if any_stop and (self._stop or member.leaving):
-            self._leave()
-        # A peer leaves or cannot join (it restarts), or every rank of a new round is ready.
-        if any_stop or flags[1].item() > 0 or flags[2].item() == world:
-            raise _Reform
-        return False
-
-    def _leave(self) -> NoReturn:
-        """This rank leaves a group that goes on without it: its peers keep the state."""
-        logger.info("Leaving the group at step %d; the others go on in place.", self.step)
-        self._jit.wait()
-        self._jit.close()
-        if self._checkpoints is not None:
-            self._checkpoints.close()
-        self._restore_signals()
-        self._store.close()
-        if self._member is not None:
-            self._member.close()
-        groups.drop_world()
-        raise SystemExit(reform.OK)
-
-    def _stop_reason(self) -> str:
-        if self._signalled:
-            return "every rank was stopped (SIGTERM/SIGINT)"
-        return "every node left the job"
-
-    def _persist_vote(self) -> bool:
-        """Yes unless our agent stops us to re-form and keeps our memory snapshot."""
-        survives = self._jit.enabled and self._store.owner != os.getpid()
-        return not survives or (self._stop and not self._reform_only)
-
-    def _complete(self, persist: bool = True) -> None:
-        """Finish: the snapshot in flight, a final persisted checkpoint (unless the group
-        only re-forms: ``persist`` False), the signal handlers."""
-        if self._store.owner != os.getpid():  # a restart of this node may use it
+        DONE and STOPPED write the last completed step to memory when this node's agent
+        keeps it (a restart may use it) and persist it (``persist``); FELL_BACK writes it
+        to memory only; LEFT and CLOSED write nothing. STOPPED destroys the groups (their
+        C++ threads must be joined while the interpreter is alive, or the exit can end in
+        std::terminate), LEFT drops this process's group, which its peers go on without.
+        """
+        ours = self._store.owner == os.getpid()
+        if how in (Exit.DONE, Exit.STOPPED) and not ours:
             self._jit.failed("the loop stopped")
-        self._jit.wait()
-        self._jit.close()  # the loop is over: no failure-time snapshot from here on
-        if self._checkpoints is not None:
-            if persist and self._last_saved != self.step and self.step > 0:
+        elif how is Exit.FELL_BACK:
+            self._jit.failed("the in-place re-form failed")
+        else:
+            self._jit.wait()
+        self._jit.close()  # no failure-time snapshot from here on
+        if self._checkpoints is not None and how is not Exit.FELL_BACK:
+            final = how in (Exit.DONE, Exit.STOPPED) and persist
+            if final and self._last_saved != self.step and self.step > 0:
                 self._checkpoints.save(self.step, self._persist_state(), block=True)
                 self._last_saved = self.step
             self._checkpoints.close()
-        self._restore_signals()
-        if self._store.owner == os.getpid():
+        self._signals.restore()
+        if how in (Exit.DONE, Exit.CLOSED) and ours:  # no agent: nobody could ever use it
             self._store.remove()
-
-    def _teardown_groups(self) -> None:
-        """Destroy the process groups before the process exits (their C++ threads must be
-        joined while the interpreter is alive, or the exit can end in std::terminate)."""
-        self._jit.close()
-        self._store.close()
-        if self.distributed and dist.is_initialized():
-            if self._ctl is not None:
-                dist.barrier(group=self._ctl)
+        if how is not Exit.DONE:
+            self._store.close()
+        if how in (Exit.LEFT, Exit.FELL_BACK):
+            self._group.close()
+        if how is Exit.LEFT:
+            groups.drop_world()
+        if how is Exit.STOPPED and self.distributed and dist.is_initialized():
+            if self._group.control is not None:
+                dist.barrier(group=self._group.control)
             dist.destroy_process_group()
-        self._ctl = None
+            self._group.close()
+        if code is not None:
+            raise SystemExit(code) from cause
 
-    def close(self) -> None:
-        """Wait for background work and unmap the snapshot files (they stay for a restart)."""
-        self._snapshots.wait()
-        if self._checkpoints is not None:
-            self._checkpoints.close()
-        self._jit.close()
-        if self._store.owner == os.getpid():  # no agent: nobody could ever use them
-            self._store.remove()
-        self._store.close()
-        self._restore_signals()
 
-    @property
-    def round(self) -> int:
-        """The rendezvous round whose group this rank trains in (0 without a fence)."""
-        return self._round
+class _StopSignals:
+    """SIGTERM/SIGINT: the group stops after this step with a checkpoint (a second signal
+    stops at once). ``regroup``: our agent stops us only to re-form (:mod:`elastic.reform`)."""
 
-    @property
-    def snapshot_stats(self) -> dict[str, float]:
-        """Counts and seconds spent on snapshots (``sync_s`` on the training thread)."""
-        return dict(self._snapshots.stats)
+    def __init__(self) -> None:
+        self.requested = self.signalled = self.regroup = False
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
 
-    # -- signals ----------------------------------------------------------------------------
-
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-
-    def _restore_signals(self) -> None:
+    def restore(self) -> None:
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -883,16 +479,30 @@ class Run:
             "to stop at once).",
             signal.Signals(signum).name,
         )
-        self._stop = self._signalled = True
-        self._reform_only = reform.stopping_for_reform()
+        self.requested = self.signalled = True
+        self.regroup = reform.stopping_for_reform()
         signal.signal(signum, signal.SIG_DFL)
 
 
-def _gloo_group() -> dist.ProcessGroup:
-    """A gloo group of every rank (its own: never shared between two threads)."""
-    group = dist.new_group(backend="gloo")
-    assert isinstance(group, dist.ProcessGroup)
-    return group
+def _set_batch(loader: Any, global_batch_size: int | None, world_size: int) -> int:
+    """Each rank's batch: the loader's, or its share of the constant global batch (set on
+    the loader's batch sampler).
+
+    Raises:
+        RecoveryError: the global batch does not divide among the ranks.
+    """
+    if global_batch_size is None:
+        return int(getattr(loader, "batch_size", 0) or 0)
+    share, rest = divmod(global_batch_size, world_size)
+    if rest or not share:
+        raise RecoveryError(
+            f"global_batch_size={global_batch_size} does not divide among {world_size} "
+            "ranks; choose a multiple of every world size the job may run at."
+        )
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is not None and hasattr(batch_sampler, "batch_size"):
+        batch_sampler.batch_size = share
+    return share
 
 
 def rolled_over(state_epoch: int, consumed: int, loop_epoch: int, step: int) -> tuple[int, int]:

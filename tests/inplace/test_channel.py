@@ -130,3 +130,55 @@ def test_a_collective_stuck_on_the_old_group_is_aborted_once_a_newer_round_forme
         assert len(aborts) == 1, "once per round"
     finally:
         watcher.close()
+
+
+BAD_ROUNDS = ["null", '"7"', "1e400", str(10**30), "true", "-2", "[1]"]
+
+
+@pytest.mark.parametrize("bad", BAD_ROUNDS)
+def test_a_bad_assignment_is_ignored_and_the_watcher_keeps_watching(
+    tmp_path: Path, bad: str
+) -> None:
+    """A file whose round is null, a string, out of range or not a whole number is logged
+    and ignored: the watcher neither dies nor goes deaf to the next good assignment."""
+    prefix = tmp_path / "ch"
+    agent = channel.paths(prefix)[0]
+    agent.write_text(f'{{"round": {bad}, "rank": 0, "world_size": 1}}')
+    assert channel.read_assignment(prefix) is None
+    watcher = Watcher(prefix, lambda _reason: None)
+    try:
+        agent.write_text(f'{{"round": {bad}, "rank": 0, "world_size": 1, "issued": 1}}')
+        channel.write_assignment(prefix, Assignment(2, rank=0, world_size=1))
+        got = watcher.wait_for(1, 5.0)
+        assert got is not None and got.round == 2
+        assert watcher._thread.is_alive()
+    finally:
+        watcher.close()
+
+
+@pytest.mark.parametrize(
+    "field",
+    ['"rank": "0"', '"master_port": 70000', '"pending": 1', '"fence": 5', '"issued": 1e400'],
+)
+def test_every_field_is_checked(tmp_path: Path, field: str) -> None:
+    prefix = tmp_path / "ch"
+    channel.paths(prefix)[0].write_text(f'{{"round": 1, {field}}}')
+    assert channel.read_assignment(prefix) is None
+
+
+def test_bad_registrations_read_as_nothing(tmp_path: Path) -> None:
+    prefix = tmp_path / "ch"
+    worker = channel.paths(prefix)[1]
+    for raw in [
+        '{"pid": 1e400, "round": 1}',
+        '{"pid": 5, "round": 1e30}',
+        '{"pid": 5, "round": "1"}',
+    ]:
+        worker.write_text(raw)
+        assert channel.read_registration(prefix) is None, raw
+
+
+def test_formed_after_is_the_one_newer_round_predicate() -> None:
+    assert Assignment(3, rank=0, world_size=1).formed_after(2)
+    assert not Assignment(3, pending=True).formed_after(2)
+    assert not Assignment(2, rank=0, world_size=1).formed_after(2)

@@ -1,5 +1,5 @@
 """The CNN worker, except that rank 0 dies (SIGKILL) once, right after its group agreed
-(``Run._agree_stop``: after the step, before rank 0 reports it) on step K:
+(``Run._agree``: after the step, before rank 0 reports it) on step K:
 ``python -m tests.recovery.agreed_then_killed K MARKER <worker args>``.
 
 The survivors complete step K (the agreement was their last collective of it) while
@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from elastic.recovery.session import Run
 from elastic.training.worker import main
@@ -22,16 +23,16 @@ SETTLE_S = 0.5
 
 
 def _arm(step: int, marker: str) -> None:
-    agree = Run._agree_stop
+    agree = Run._agree
 
-    def agree_then_die(self: Run) -> bool:
-        stop = agree(self)
+    def agree_then_die(self: Run) -> Any:
+        agreed = agree(self)
         if self.rank == 0 and self.step == step and _first(marker):
             time.sleep(SETTLE_S)
             os.kill(os.getpid(), signal.SIGKILL)
-        return stop
+        return agreed
 
-    Run._agree_stop = agree_then_die  # type: ignore[method-assign]
+    Run._agree = agree_then_die  # type: ignore[method-assign]
 
 
 def _first(marker: str) -> bool:
