@@ -109,7 +109,7 @@ class NodeAgent(LocalElasticAgent):
         fence = self._fence()
         if fence:
             worker_env[env.FENCE] = fence
-        worker_env[snapshot.OWNER_ENV] = str(os.getpid())  # whose node the snapshots are
+        worker_env[env.SNAPSHOT_OWNER] = str(os.getpid())  # whose node the snapshots are
         if self._host is not None:
             worker_env[env.CHANNEL] = str(self._host.channel_of(local_rank))
 

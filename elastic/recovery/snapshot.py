@@ -58,8 +58,6 @@ from elastic.recovery.codec import MAX_META, check, encode_meta, flatten, layout
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = "/dev/shm"
-OWNER_ENV = env.SNAPSHOT_OWNER  # kept for importers; the name lives in elastic.env
-BACKGROUND_ENV = env.SNAPSHOT_BACKGROUND
 MAGIC = b"ELSNAP01"
 _HEADER = struct.Struct("<8sQqqQQQ")  # magic, seq, step, round, meta_len, data_len, data_off
 HEADER_BYTES = 4096
@@ -102,7 +100,7 @@ def snapshot_path(directory: str, run_id: str, owner: int, local_rank: int, buf:
 def owner_pid() -> int:
     """The agent whose node holds this worker's snapshots: ``$ELASTIC_SNAPSHOT_OWNER`` (set
     by ``elastic-agent``), else the parent (torchrun's agent), else this process."""
-    raw = os.environ.get(OWNER_ENV, "")
+    raw = os.environ.get(env.SNAPSHOT_OWNER, "")
     if raw.isdigit():
         return int(raw)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
@@ -175,7 +173,7 @@ def _reap_after(owner: int, folder: Path) -> None:
 
 def _torchrun_owner(owner: int) -> bool:
     """Whether ``owner`` is plain torchrun's agent (ours says so in the environment)."""
-    return not os.environ.get(OWNER_ENV) and owner == os.getppid() and owner != os.getpid()
+    return not os.environ.get(env.SNAPSHOT_OWNER) and owner == os.getppid() and owner != os.getpid()
 
 
 def _allocate(fd: int, size: int) -> None:
@@ -591,12 +589,11 @@ def _overlap_helps() -> bool:
     --snapshot``; figures in docs/benchmarks.md). Overlap pays where a core or a DMA
     engine is idle (GPUs, many-core hosts).
     """
-    return os.environ.get(BACKGROUND_ENV, "1").strip() != "0"
+    return os.environ.get(env.SNAPSHOT_BACKGROUND, "1").strip() != "0"
 
 
 __all__ = [
     "DEFAULT_DIR",
-    "OWNER_ENV",
     "Header",
     "SnapshotFile",
     "SnapshotStore",
