@@ -120,10 +120,18 @@ def test_a_rank_takes_no_url_from_rank_0(
     _commit(url)
     target = tmp_path / "pwned"
     choice = _hostile_choices(tmp_path, target)[kind]
-    monkeypatch.setattr(manager_module._Candidates, "next", lambda self: choice)
-    with pytest.raises(CheckpointError, match="is not a checkpoint step and its marker's digest"):
-        _load(url)
-    assert not target.exists(), "a pickle that rank 0 named was loaded"
+    sent: list[dict[str, Any]] = []
+
+    def hostile(self: Any) -> Any:
+        sent.append(choice)
+        return choice if len(sent) == 1 else None
+
+    monkeypatch.setattr(manager_module._Candidates, "next", hostile)
+    try:
+        with pytest.raises(CheckpointError, match="is not a checkpoint step and its marker's"):
+            _load(url)
+    finally:
+        assert not target.exists(), "a pickle that rank 0 named was loaded"
 
 
 def test_a_rank_verifies_the_marker_rank_0_names_itself(
