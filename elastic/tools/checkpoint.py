@@ -7,11 +7,12 @@
   (and with ``--optimizer`` the optimizer) of a complete step as one plain ``torch.save``
   file or a safetensors file, for inference or another framework.
 
-``URL`` is the checkpoint URL with ``--run-id R``, or the run's own directory
-(``<url>/<run_id>``) without it. The secret is the one the workers use:
-``$ELASTIC_SECRET_FILE``, else a local run's generated secret when it exists; without
-one, unsigned steps are checked by their digests and signed ones cannot be verified.
-Every error is one sentence: no such step, unsigned, the corrupt file named.
+``URL`` is the checkpoint URL with ``--run-id R``; without it, the run's own directory
+(``<url>/<run_id>``) or a checkpoint URL that holds one run (several: they are named).
+The secret is the one the workers use: ``$ELASTIC_SECRET_FILE``, else a local run's
+generated secret when it exists; without one, unsigned steps are checked by their
+digests and signed ones cannot be verified. Every error is one sentence: no such step,
+unsigned, the corrupt file named.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from elastic import env
 from elastic import secret as signing
 from elastic.checkpoint import StepInfo, inspect_step, list_steps
 from elastic.checkpoint.foreign import MODEL, read_entries
-from elastic.checkpoint.storage import join
+from elastic.checkpoint.storage import filesystem, join
 from elastic.errors import CheckpointError, ConfigError
 
 OPTIMIZER = "optim"
@@ -74,13 +76,61 @@ def command(args: argparse.Namespace) -> int:
 
 
 def _run(url: str, run_id: str | None) -> tuple[str, str]:
+    """The checkpoint URL and run id that ``url`` (and ``--run-id``) name: with
+    ``--run-id``, as given; else ``url`` is the run's own directory, or the checkpoint URL
+    of the only run under it (several: an error naming them)."""
     if run_id:
         return url, run_id
     stripped = url.rstrip("/")
     parent, _, name = stripped.rpartition("/")
-    if not parent or not name or parent.endswith(":/"):
+    own_dir = bool(parent and name and not parent.endswith(":/"))
+    if own_dir and _steps(parent, name):
+        return parent, name
+    runs = list_runs(url)
+    if len(runs) == 1:
+        print(f"run {runs[0]} (the only run under {stripped})", file=sys.stderr)
+        return url, runs[0]
+    if runs:
+        raise ConfigError(
+            f"{stripped} holds the checkpoints of {len(runs)} runs ({_names(runs)}); give --run-id."
+        )
+    if not own_dir:
         raise ConfigError(f"Cannot tell the run from {url!r}; give --run-id.")
     return parent, name
+
+
+def list_runs(url: str) -> list[str]:
+    """The run ids under the checkpoint URL ``url`` (directories that hold a step), sorted."""
+    fs, root = filesystem(url)
+    try:
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    names = [
+        str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+        for e in entries
+        if e.get("type") == "directory"
+    ]
+    return sorted(n for n in names if _steps(url, n))
+
+
+def _steps(url: str, run_id: str) -> list[int]:
+    try:
+        return list_steps(url, run_id)
+    except (ConfigError, NotADirectoryError):  # not a run's name, or not a directory
+        return []
+
+
+def _names(runs: list[str], most: int = 5) -> str:
+    shown = ", ".join(runs[:most])
+    return shown if len(runs) <= most else f"{shown} and {len(runs) - most} more"
+
+
+def _nothing_under(url: str, run_id: str) -> str:
+    """There are no checkpoints under ``url/run_id``, and which runs ``url`` holds."""
+    runs = list_runs(url)
+    found = f"; the runs under {url.rstrip('/')}: {_names(runs)} (give --run-id)" if runs else ""
+    return f"There are no checkpoints under {join(url, run_id)}{found}."
 
 
 def checkpoint_secret() -> bytes | None:
@@ -94,7 +144,7 @@ def format_steps(url: str, run_id: str) -> str:
     """One line per step directory, newest first."""
     steps = list_steps(url, run_id)
     if not steps:
-        return f"no checkpoints under {join(url, run_id)}"
+        return _nothing_under(url, run_id)
     secret = checkpoint_secret()
     lines = []
     for step in steps:
@@ -121,7 +171,7 @@ def choose_step(url: str, run_id: str, step: int | None, full: bool) -> StepInfo
     steps = list_steps(url, run_id)
     where = join(url, run_id)
     if not steps:
-        raise CheckpointError(f"There are no checkpoints under {where}.")
+        raise CheckpointError(_nothing_under(url, run_id))
     if step is not None and step not in steps:
         shown = ", ".join(map(str, steps[:5]))
         raise CheckpointError(f"There is no step {step} under {where} (newest: {shown}).")
@@ -208,4 +258,11 @@ def _flatten(value: Any, prefix: str, tensors: dict[str, torch.Tensor], others: 
         others[prefix.rstrip(".")] = value
 
 
-__all__ = ["add_parser", "checkpoint_secret", "choose_step", "command", "export_step"]
+__all__ = [
+    "add_parser",
+    "checkpoint_secret",
+    "choose_step",
+    "command",
+    "export_step",
+    "list_runs",
+]

@@ -222,6 +222,7 @@ def test_only_our_worker_starts_warm(
     from elastic import env
     from elastic.agent import warm as warm_module
     from elastic.agent.launch import _warm_entrypoint, translate_argv
+    from elastic.agent.run_script import wrap_args
 
     started: list[bool] = []
     monkeypatch.setattr(warm_module, "start_server", lambda: started.append(True))
@@ -234,5 +235,8 @@ def test_only_our_worker_starts_warm(
     assert config.start_method == ("forkserver" if warm else "spawn")
     if warm:
         assert new_args == ["--config", "configs/tiny.yaml"]
+    elif argv[0] == "train.py":  # through the tutorial-script guard (run_script)
+        assert (entrypoint, new_args) == (cmd, wrap_args(cmd_args))
+        assert new_args[:4] == ["-u", "-m", "elastic.agent.run_script", "train.py"]
     else:
         assert (entrypoint, new_args) == (cmd, cmd_args)

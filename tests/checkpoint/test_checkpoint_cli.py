@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from elastic.checkpoint import list_steps
-from elastic.errors import CheckpointError
+from elastic.errors import CheckpointError, ConfigError
 from elastic.secret import secret_path
 from elastic.tools.checkpoint import add_parser, command
 
@@ -113,3 +113,27 @@ def test_export_to_safetensors(url: str, tmp_path: Path) -> None:
 
 def _contiguous(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.items()}
+
+
+def test_a_url_with_one_run_takes_it(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # the checkpoint URL itself, not the run's directory, and no --run-id: the only run
+    assert _elastic("ls", url) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].startswith("step 2  complete")
+    assert err.strip() == f"run {RUN} (the only run under {url})"
+    assert _elastic("verify", url + "/") == 0
+    assert capsys.readouterr().out.strip() == "step 2: ok (signed, 2 files read)"
+
+
+def test_a_url_with_several_runs_names_them(url: str, tmp_path: Path) -> None:
+    (Path(url) / "other-run" / "step-5").mkdir(parents=True)
+    (Path(url) / "not-a-run").mkdir()  # no step: not named
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of 2 runs \(other-run, r\); "):
+        _elastic("export", url, "-o", str(tmp_path / "x.pt"))
+    # a wrong --run-id: the runs that are there
+    with pytest.raises(
+        CheckpointError,
+        match=r"^There are no checkpoints under .*/ckpt/nope; the runs under .*/ckpt: "
+        r"other-run, r \(give --run-id\)\.$",
+    ):
+        _elastic("export", url, "--run-id", "nope", "-o", str(tmp_path / "x.pt"))
