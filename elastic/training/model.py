@@ -76,13 +76,17 @@ def _small_input_stem(model: nn.Module, name: str) -> None:
     model.maxpool = nn.Identity()
 
 
-def _stats(m: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
+# torch's public batch-norm layers (their common base class is private)
+BatchNorm = nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d | nn.SyncBatchNorm
+
+
+def _stats(m: BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """The running mean and variance of a layer that tracks them."""
     assert m.running_mean is not None and m.running_var is not None
     return m.running_mean, m.running_var
 
 
-def _batches(m: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
+def _batches(m: BatchNorm) -> torch.Tensor:
     assert m.num_batches_tracked is not None
     return m.num_batches_tracked
 
@@ -92,9 +96,7 @@ class BatchNormStats:
 
     def __init__(self, model: nn.Module) -> None:
         self.layers = [
-            m
-            for m in model.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            m for m in model.modules() if isinstance(m, BatchNorm) and m.track_running_stats
         ]
         self._start: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._tracked: list[torch.Tensor | None] = []
