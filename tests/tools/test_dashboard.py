@@ -11,6 +11,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import time
 import tracemalloc
 import urllib.error
 import urllib.request
@@ -233,6 +234,54 @@ def test_a_long_event_log_keeps_memory_bounded(tmp_path: Path) -> None:
     assert summary.count == 3 * batch and summary.step is not None
     assert summary.step["step"] == newest
     assert summary.saved is not None and summary.saved["step"] == newest - newest % 20
+
+
+def _write_big_log(log: Path, n: int) -> int:
+    """``n`` events of about 170 bytes, as workers write them (compact JSON): the newest
+    successful save's step."""
+    pad = "x" * 90
+    saved = -1
+    with open(log, "w") as f:
+        for i in range(n):
+            if i % 50 == 0:
+                ok = i % 100 == 0
+                saved = i if ok else saved
+                event = {"ts": float(i), "kind": "ckpt.save", "step": i, "ok": ok, "url": pad}
+            elif i % 7 == 0:
+                event = {"ts": float(i), "kind": "train.samples", "step": i, "pad": pad}
+            else:
+                event = {"ts": float(i), "kind": "train.step", "step": i, "loss": 0.5, "pad": pad}
+            f.write(json.dumps(event, separators=(",", ":")) + "\n")
+    return saved
+
+
+def test_a_large_log_it_starts_on_costs_little_time_and_memory(tmp_path: Path) -> None:
+    """400,000 events (about 65 MiB): the first summary took 4.2 s and 425 MiB more."""
+    log, n = tmp_path / "events.jsonl", 400_000
+    saved = _write_big_log(log, n)
+    assert log.stat().st_size > 60 << 20
+    samples = len([i for i in range(n) if i % 50 and i % 7 == 0])
+    started = time.perf_counter()
+    EventTail(log).summary()
+    seconds = time.perf_counter() - started
+    assert seconds < 5.0, f"{seconds:.1f} s"  # about 0.2 s on an idle core
+    tail = EventTail(log)
+    tracemalloc.start()
+    try:
+        summary = tail.summary()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak >> 20} MiB"
+    assert summary.count == n - samples, (summary.count, n - samples)
+    assert summary.step is not None and summary.step["step"] == n - 1
+    assert summary.saved is not None and summary.saved["step"] == saved
+    kept = tail.poll()
+    assert kept[0]["ts"] == 0.0 and kept[-1]["step"] == n - 1
+    assert len(kept) <= MAX_STEPS + MAX_OTHER + 2
+    with open(log, "a") as f:  # what comes next is read whole, as before
+        f.write(json.dumps({"ts": 1e6, "kind": "train.step", "step": n}) + "\n")
+    assert tail.summary().count == n - samples + 1
 
 
 # -- the page in a real browser -------------------------------------------------------------
