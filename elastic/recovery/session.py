@@ -225,8 +225,8 @@ class Run:
         """Yield the epochs still to run (the first one may be resumed mid-way).
 
         Raises:
-            RecoveryError: an epoch's body left the epoch counter anywhere but on the next
-                epoch (the loop would skip epochs and end early, silently).
+            RecoveryError: an epoch's body through :meth:`batches` left the epoch counter
+                where it was (the loop would count the epoch as run and skip one).
         """
         while self.epoch < total:
             epoch = self.epoch
@@ -236,7 +236,7 @@ class Run:
             yield epoch
             if not self._dealt:  # the body did not run through batches()
                 self.epoch, self.consumed = epoch + 1, 0
-            elif self.epoch != epoch + 1:
+            elif self.epoch <= epoch:  # (beyond epoch + 1: a frozen rank caught up)
                 raise RecoveryError(
                     f"Epoch {epoch} ended with the epoch counter at {self.epoch} (step "
                     f"{self.step}); the loop stops rather than skip epochs. This is a bug: "
@@ -430,7 +430,7 @@ class Run:
             self._jit.failed("the loop stopped")
         elif how is Exit.FELL_BACK:
             self._jit.failed("the in-place re-form failed")
-        else:
+        if how is not Exit.FELL_BACK:  # (failed() waited; a second wait could raise)
             self._jit.wait()
         self._jit.close()  # no failure-time snapshot from here on
         if self._checkpoints is not None and how is not Exit.FELL_BACK:
@@ -440,7 +440,7 @@ class Run:
                 self._last_saved = self.step
             self._checkpoints.close()
         self._signals.restore()
-        if how in (Exit.DONE, Exit.CLOSED) and ours:  # no agent: nobody could ever use it
+        if how in (Exit.DONE, Exit.STOPPED, Exit.CLOSED) and ours:  # nobody could use it
             self._store.remove()
         if how is not Exit.DONE:
             self._store.close()
@@ -506,19 +506,21 @@ def _set_batch(loader: Any, global_batch_size: int | None, world_size: int) -> i
 
 
 def rolled_over(state_epoch: int, consumed: int, loop_epoch: int, step: int) -> tuple[int, int]:
-    """``(epoch, consumed)`` of a state applied inside epoch ``loop_epoch``: the state of
-    the previous epoch's last boundary is ``loop_epoch``'s start.
+    """``(epoch, consumed)`` of a state the group agreed on inside epoch ``loop_epoch``: the
+    state of the previous epoch's last boundary is ``loop_epoch``'s start; a newer epoch
+    stands (a rank that was frozen catches up with the others).
 
     Raises:
-        RecoveryError: the state is of any other epoch.
+        RecoveryError: the state is of an epoch before the previous one (the loop would
+            repeat epochs).
     """
-    if state_epoch == loop_epoch:
-        return state_epoch, consumed
     if state_epoch == loop_epoch - 1:
         return loop_epoch, 0
+    if state_epoch >= loop_epoch:
+        return state_epoch, consumed
     raise RecoveryError(
         f"The state agreed on at step {step} is of epoch {state_epoch}, but the loop is in "
-        f"epoch {loop_epoch}; the run stops rather than skip or repeat epochs."
+        f"epoch {loop_epoch}; the run stops rather than repeat epochs."
     )
 
 
