@@ -47,7 +47,7 @@ COMPOUND_KINDS = {
     "kill_in_transfer": "kill -9 of a state holder while a joiner waits for its state",
     "etcd_freeze_in_save": "etcd frozen (SIGSTOP) while a checkpoint save is in flight",
 }
-AIM_S = 60.0  # how long an aimed fault waits for its moment
+AIM_S = 120.0  # how long an aimed fault waits for its moment
 
 
 def compound_schedule(rounds: int) -> list[str]:
@@ -65,7 +65,7 @@ class CompoundInjector(Injector):
         leaver = self._other(frozen.name)
         seconds = self.opts.freeze_s
         stopped = self._freeze_node(frozen, seconds)
-        attempt = self._save_in_flight(time.monotonic() + AIM_S)
+        attempt = self._save_started(time.monotonic() + AIM_S)
         step_now = self.job.tail.last_step()
         fault.node = f"{frozen.name}+{leaver.name}"
         fault.t, fault.step_before = time.time(), step_now  # the leave
@@ -73,11 +73,28 @@ class CompoundInjector(Injector):
         self.job.left.add(leaver.name)
         self.job.cluster.leave(leaver.name)
         fault.hit = attempt is not None
-        where = f"during the save {attempt}" if attempt else "(no save in flight was seen)"
+        where = f"during the save of {attempt}" if attempt else "(no save in flight was seen)"
         fault.detail = (
             f"{frozen.name} frozen {seconds:g} s ({stopped} processes), then {leaver.name} "
             f"SIGTERM at step {step_now} {where}"
         )
+
+    def _save_started(self, deadline: float) -> str | None:
+        """Wait for a save to start: with the script's checkpoint interval known, the
+        moment rank 0 reports a step that saves (the save starts right after; the leave
+        then lands in the next step, the first of an epoch for ours), else a save attempt
+        seen on storage. What was seen (None: nothing before ``deadline``)."""
+        every = self.opts.script.checkpoint_every if self.opts.script else 0
+        if not every:
+            return self._save_in_flight(deadline)
+        reported = self.job.tail.last_step()
+        while time.monotonic() < deadline and self.job.cluster.running():
+            step = self.job.tail.last_step()
+            if step != reported and step % every == 0 and not self._markers().get(step):
+                return f"step {step} (reported, not committed)"
+            reported = step
+            pause(0.005)
+        return None
 
     def _freeze_node(self, node: Node, seconds: float) -> int:
         """SIGSTOP of ``node``'s agent and every process below it; SIGCONT after

@@ -173,15 +173,17 @@ class ChaosJob:
         threading.Thread(target=self._watch_exits, name="chaos-exits", daemon=True).start()
 
     def _watch_exits(self) -> None:
-        """Record when each agent exited, with its code and the newest step then."""
+        """Record when each agent exited, with its code and the highest step reported by
+        then (a rank redoing steps later does not make an earlier exit look early)."""
         while not self._watching.wait(0.1):
             for name, node in list(self.cluster.nodes.items()):
                 code = node.proc.poll()
                 if code is not None and name not in self.exits:
+                    steps = self.tail.of("train.step")
                     self.exits[name] = {
                         "code": code,
                         "ts": time.time(),
-                        "step": self.tail.last_step(),
+                        "step": max((e["step"] for e in steps), default=0),
                     }
 
     def start_node(self) -> str:

@@ -49,6 +49,7 @@ class ScriptSpec:
         global_batch: samples per step over all ranks (the sample check; 0: not checked).
         samples: the dataset's size (an epoch is ``samples // global_batch`` steps).
         model_rtol: the final model's bound against the reference (relative L2).
+        checkpoint_every: the steps whose saves a leave is aimed at (0: unknown).
         reference_args: arguments appended for the reference run only (no pacing, ...).
     """
 
@@ -57,6 +58,7 @@ class ScriptSpec:
     global_batch: int = 0
     samples: int = 0
     model_rtol: float = SCRIPT_MODEL_RTOL
+    checkpoint_every: int = 0  # its saves' steps (0: unknown; saves are found on storage)
     reference_args: tuple[str, ...] = field(default_factory=tuple)
 
     def command(self, ckpt: Path | str, reference: bool = False) -> list[str]:
@@ -104,7 +106,8 @@ def ddp_script(
         steps=epochs * (samples // global_batch),
         global_batch=global_batch,
         samples=samples,
-        reference_args=("--step-delay=0", "--ballast-mb=0", "--checkpoint-every=1000000"),
+        checkpoint_every=checkpoint_every,
+        reference_args=("--step-delay=0", "--checkpoint-every=1000000"),
     )
 
 

@@ -59,7 +59,7 @@ def test_ours_is_world_size_free_and_its_reference_unpaced() -> None:
     assert job[0] == str(DDP_SCRIPT) and "--in-place" in job and "--ckpt=/ckpt" in job
     assert {"--norm=group", "--double", "--ledger", "--global-batch-size=12"} <= set(job)
     ref = spec.command("/ref", reference=True)
-    assert ref[-3:] == ["--step-delay=0", "--ballast-mb=0", "--checkpoint-every=1000000"]
+    assert ref[-2:] == ["--step-delay=0", "--checkpoint-every=1000000"]
     assert "--in-place" not in ddp_script(in_place=False).argv
 
 
