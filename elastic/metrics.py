@@ -404,14 +404,16 @@ def _op_name(fn: Callable[..., Any]) -> str:
 
 
 def _error_name(error: BaseException) -> str:
-    """A gRPC error's status (``unavailable``), else the exception's class name."""
+    """A gRPC error's status (``unavailable``), else the exception's class name (the
+    client's own subclasses, such as ``EtcdUnansweredError``, by their public base)."""
     code = getattr(error, "code", None)
     if callable(code):
         try:
             return str(code().name).lower()
         except Exception:  # not a grpc.RpcError after all
             pass
-    return type(error).__name__
+    public = next(c for c in type(error).__mro__ if c.__module__ != "elastic.etcd.client")
+    return public.__name__
 
 
 # -- the agent's exporter: one per process ---------------------------------------------
