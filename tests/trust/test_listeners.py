@@ -36,6 +36,51 @@ def _threads(pid: int | None = None) -> int:
     return len(os.listdir(f"/proc/{pid or os.getpid()}/task"))
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                children = Path(f"/proc/{p}/task/{task}/children").read_text().split()
+                todo += [int(c) for c in children]
+    return out
+
+
+@contextlib.contextmanager
+def tasks_limit(pid: int, headroom: int) -> Iterator[Path | None]:
+    """Put ``pid`` and its descendants in a new pids cgroup (v1 or v2) that allows
+    ``headroom`` tasks more than they have now, as a container's pids limit does; None
+    where this host does not let us make one."""
+    parents = [Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")]
+    parent = next((p for p in parents if (p / "cgroup.procs").exists()), None)
+    group = None if parent is None else parent / f"elastic-test-{os.getpid()}"
+    try:
+        assert group is not None
+        group.mkdir()
+        procs = _tree(pid)
+        tasks = sum(_threads(p) for p in procs)
+        (group / "pids.max").write_text(str(tasks + headroom))
+        for p in procs:
+            (group / "cgroup.procs").write_text(str(p))
+    except (AssertionError, OSError):
+        if group is not None and group.exists():
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        yield None
+        return
+    try:
+        yield group
+    finally:
+        for p in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (group.parent / "cgroup.procs").write_text(p)
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
 @contextlib.contextmanager
 def idle_connections(port: int, n: int = IDLE) -> Iterator[list[socket.socket]]:
     """``n`` connections to 127.0.0.1:``port`` that send nothing (refused ones included)."""
@@ -175,16 +220,20 @@ def test_an_agent_under_hundreds_of_idle_metrics_connections_keeps_its_threads_a
                 return int((tmp_path / "step").read_text())
             return 0
 
-        try:
+        try:  # the agent's lease: its node stays in the round (it runs on, exits 0)
             line = wait_until(port_line, 120, "the agent to print its metrics port")
             port = int(line.split("port")[1].split()[0])
             wait_until(lambda: step() >= 3, 120, "three steps")
             before = _threads(agent.pid)
-            with idle_connections(port):
+            # A pids limit 40 tasks above what the agent and its worker have (80 idle
+            # connections once cost an agent its etcd keep-alive under such a limit).
+            with tasks_limit(agent.pid, 40) as group, idle_connections(port):
                 time.sleep(0.5)  # let the agent accept them all (a bare wait: nothing to poll)
                 during = _threads(agent.pid)
                 reached = step()
                 wait_until(lambda: step() >= reached + 10, 60, "the job to run on")
+                if group is not None:  # the limit was never reached
+                    assert "max 0" in (group / "pids.events").read_text()
             assert during <= before + 4, f"{during - before} agent threads for idle connections"
             assert agent.running(), agent.output()[-3000:]
             # The agent answers scrapes again once the idle ones are gone.
