@@ -85,11 +85,14 @@ class BoundedHTTPServer(socketserver.BaseServer):
         max_request: int = MAX_REQUEST,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        # a host name (--local-addr may be one) binds the first address it resolves to
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            address[0] or None, address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.socket.bind(address)
+            self.socket.bind(sockaddr)
             self.socket.listen(128)
             self.socket.setblocking(False)
         except BaseException:
