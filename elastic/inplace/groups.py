@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -105,6 +107,15 @@ def update_ddp(model: Any) -> None:
         dist._register_comm_hook(model.reducer, state, hook)
 
 
+def route_buffer_broadcast(
+    model: Any, broadcast: Callable[[list[torch.Tensor], int, int], None]
+) -> None:
+    """Make a DDP model broadcast its buffers (BatchNorm statistics, each forward pass)
+    through ``broadcast(tensors, buffer_size, src)`` instead of its own coalesced broadcast
+    (DDP has no public hook for it: it calls ``_distributed_broadcast_coalesced``)."""
+    model._distributed_broadcast_coalesced = broadcast
+
+
 SIDE_TIMEOUT = timedelta(minutes=10)  # a checkpoint's collectives wait for the slowest write
 
 
@@ -123,6 +134,7 @@ __all__ = [
     "drop_world",
     "form",
     "init_alone",
+    "route_buffer_broadcast",
     "side_group",
     "update_ddp",
 ]

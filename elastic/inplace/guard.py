@@ -22,35 +22,79 @@ collective works on a copy of its own, put into the caller's tensor only when it
 while gloo still sent it, and its peers' step completed with those values: the last BN
 layer's statistics ended 7e-3 from a fault-free run's, parameters exact).
 
-No Python callback is ever attached to a gloo future: such a collective of a dropped group
-fails when its peers exit, and gloo's thread then ran the callback after the interpreter had
-finalized (SIGSEGV in ``PyThreadState_New`` under ``pybind11::gil_scoped_acquire`` from
-``ProcessGroupGloo::AsyncWork::finishWorkGlooError``: the thawed worker's crash at the
-job's end). The training thread waits for its collectives in slices of :data:`WAIT_S`
-(``Work.wait(timeout)``, woken at once when it completes), and one thread of the guard's
-own completes DDP's hook futures the same way; it stops at exit.
+No Python callback is ever attached to a gloo future itself: a collective of a dropped
+group fails when its peers exit, and gloo's thread then ran such a callback after the
+interpreter had finalized (SIGSEGV in ``PyThreadState_New`` under
+``pybind11::gil_scoped_acquire`` from ``ProcessGroupGloo::AsyncWork::finishWorkGlooError``:
+the thawed worker's crash at the job's end). Each collective's gloo future is linked, in
+C++, to a future of the guard's own (``torch.futures.collect_all`` of it, the *link*), and
+the guard's callback hangs on the link. A collective that succeeds or fails completes the
+link in gloo's thread, which runs the callback at once: the waiting thread (DDP's reducer,
+or the training thread in :meth:`StepGuard.run`) wakes as it would on gloo's own future, with
+no thread and no polling in between. A release (an abort, a re-form, the exit) completes the
+link itself while Python runs, so its callback runs then and is gone; gloo completing it
+later finds it complete and runs no Python (``collectAll`` checks), and the released link
+is kept alive for good, so that gloo's thread never frees the Python value it holds.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic.inplace import groups
+
 logger = logging.getLogger(__name__)
 
-WAIT_S = 0.005  # a guarded wait looks at an abort this often (a completion wakes it at once)
-_SLICE = timedelta(seconds=WAIT_S)
+
+CLOSE_WAIT_S = 1.0  # at exit: how long a callback that gloo's thread is running may take
+
+
+class _Entry:
+    """A guarded collective (or future) in flight: the guard's future ``out``, what
+    completes it on success (``value``) and on failure or release (``fallback``); for a
+    collective, gloo's future and its link."""
+
+    __slots__ = ("fallback", "generation", "gloo", "link", "out", "released", "settled", "value")
+
+    def __init__(self, out: torch.futures.Future[Any], fallback: Any, generation: int) -> None:
+        self.out, self.fallback, self.generation = out, fallback, generation
+        self.value: Callable[[], Any] = lambda: None
+        self.gloo: torch.futures.Future[Any] | None = None
+        self.link: torch.futures.Future[Any] | None = None
+        self.released = False
+        self.settled = False  # the link's callback has run
+
+    def release(self) -> bool:
+        """Complete ``out`` with the fallback and dispose of the link's callback now; False
+        when gloo's thread is completing the link itself (its callback runs there)."""
+        self.released = True
+        link, gloo = self.link, self.gloo
+        mine = True
+        if link is not None and gloo is not None:
+            mine = not gloo.done()
+            if mine:
+                with contextlib.suppress(RuntimeError):  # gloo completed it just now
+                    link.set_result(None)
+                _keep_forever(link)
+        _complete(self.out, self.fallback)
+        return mine
+
+
+def _keep_forever(link: torch.futures.Future[Any]) -> None:
+    """A released link holds a Python value: gloo's thread may drop its last C++ reference
+    after the interpreter finalized, so its Python object is never freed."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(link))
 
 
 class StepGuard:
@@ -58,8 +102,11 @@ class StepGuard:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[torch.futures.Future[Any], Any]] = {}
+        self._pending: dict[int, _Entry] = {}
         self._started: dict[int, float] = {}  # monotonic start time of each pending collective
+        # Seconds some collective was in flight, summed (the rank's wait: elastic.recovery.timing)
+        self._waited_s = 0.0
+        self._busy_since: float | None = None
         self.failure: str | None = None  # why this step failed; None while it is fine
         self.aborted: str | None = None  # the agent's abort, until the group re-forms
         # optimizer.step() ran in this step: its all-reduce had succeeded, so the step is
@@ -68,11 +115,8 @@ class StepGuard:
         # Bumped by reset(): a collective of an older group that fails late (its peer left
         # long ago) must not fail the step of the current one.
         self._generation = 0
-        # DDP's gradient all-reduces in flight, completed in order by the hook thread.
-        self._hooks: queue.SimpleQueue[tuple[Any, torch.futures.Future[Any], Any, int, int]]
-        self._hooks = queue.SimpleQueue()
-        self._hook_thread: threading.Thread | None = None
-        self._closed = threading.Event()
+        self._exit_registered = False
+        self._closed = False
 
     # -- state -----------------------------------------------------------------------------
 
@@ -80,11 +124,11 @@ class StepGuard:
         """A new group: nothing failed, nothing pending."""
         with self._lock:
             self.failure = self.aborted = None
-            pending, self._pending, self._started = self._pending, {}, {}
+            pending = self._take_pending()
             self.committed = False
             self._generation += 1
-        for out, fallback in pending.values():  # of the dropped group: nobody waits for them
-            _complete(out, fallback)
+        for entry in pending:  # of the dropped group: nobody waits for them
+            entry.release()
 
     def fail(self, reason: str, generation: int | None = None) -> None:
         with self._lock:
@@ -98,76 +142,111 @@ class StepGuard:
         """Release every collective in flight and skip the rest until :meth:`reset`."""
         with self._lock:
             self.aborted = reason
-            pending, self._pending, self._started = self._pending, {}, {}
+            pending = self._take_pending()
         self.fail(reason)
-        for out, fallback in pending.values():
-            _complete(out, fallback)
+        for entry in pending:
+            entry.release()
 
     def in_flight_since(self) -> float | None:
         """When the oldest collective still in flight started (``time.monotonic()``)."""
         with self._lock:
             return min(self._started.values(), default=None)
 
+    def _take_pending(self) -> list[_Entry]:
+        """(Under the lock.) Every entry in flight, forgotten."""
+        pending = list(self._pending.values())
+        self._pending, self._started = {}, {}
+        self._idle()
+        return pending
+
+    def _track(self, fallback: Any) -> _Entry | None:
+        """An entry for a collective (or future) just started; None when aborted."""
+        out: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            if self.aborted is not None or self._closed:
+                return None
+            entry = _Entry(out, fallback, self._generation)
+            self._pending[id(entry)] = entry
+            if not self._started:
+                self._busy_since = time.monotonic()
+            self._started[id(entry)] = time.monotonic()
+            if not self._exit_registered:
+                atexit.register(self.close)  # while Python runs: release what is in flight
+                self._exit_registered = True
+        return entry
+
+    def _untrack(self, entry: _Entry) -> None:
+        with self._lock:
+            self._pending.pop(id(entry), None)
+            self._started.pop(id(entry), None)
+            if not self._started:
+                self._idle()
+
+    def _idle(self) -> None:
+        """(Under the lock.) Nothing is in flight any more: add the busy interval."""
+        if self._busy_since is not None:
+            self._waited_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+    def waited(self) -> float:
+        """Seconds some collective was in flight since this guard was made (the current
+        interval included): the time this rank's step waited for its peers."""
+        with self._lock:
+            since = self._busy_since
+            return self._waited_s + (time.monotonic() - since if since is not None else 0.0)
+
     # -- collectives -----------------------------------------------------------------------
 
     def watch(self, fut: torch.futures.Future[Any], fallback: Any) -> torch.futures.Future[Any]:
         """A future that completes with ``fut``'s value, or with ``fallback`` (and a failed
-        step) when ``fut`` fails or the guard aborts."""
-        out: torch.futures.Future[Any] = torch.futures.Future()
-        with self._lock:
-            generation = self._generation
-            skip = self.aborted is not None
-            if not skip:
-                self._pending[id(out)] = (out, fallback)
-                self._started[id(out)] = time.monotonic()
-        if skip:
-            out.set_result(fallback)
-            return out
+        step) when ``fut`` fails or the guard aborts. For futures made in Python (a gloo
+        future goes through :meth:`_link`, see the module's doc)."""
+        entry = self._track(fallback)
+        if entry is None:
+            return _done(fallback)
 
         def done(f: torch.futures.Future[Any]) -> None:
             try:
                 value = f.value()
             except Exception as exc:  # the group broke: a peer died
-                self.fail(f"a collective failed ({_first_line(exc)})", generation)
+                self.fail(f"a collective failed ({_first_line(exc)})", entry.generation)
                 value = fallback
-            with self._lock:
-                self._pending.pop(id(out), None)
-                self._started.pop(id(out), None)
-            _complete(out, value)
+            self._untrack(entry)
+            _complete(entry.out, value)
 
         fut.add_done_callback(done)
-        return out
+        return entry.out
 
-    def _track(self, fallback: Any) -> tuple[torch.futures.Future[Any], int] | None:
-        """A released-on-abort future for a collective just started (None: aborted)."""
-        out: torch.futures.Future[Any] = torch.futures.Future()
-        with self._lock:
-            if self.aborted is not None:
-                return None
-            self._pending[id(out)] = (out, fallback)
-            self._started[id(out)] = time.monotonic()
-            return out, self._generation
+    def _link(
+        self, work: dist.Work, value: Callable[[], Any], fallback: Any
+    ) -> torch.futures.Future[Any] | None:
+        """The guard's future for a collective just started: ``value()`` when it succeeded,
+        ``fallback`` (and a failed step) when it failed or was released; None when the guard
+        is aborted (nothing is waited for)."""
+        entry = self._track(fallback)
+        if entry is None:
+            return None
+        entry.value = value
+        gloo = entry.gloo = work.get_future()
+        link = entry.link = torch.futures.collect_all([gloo])
 
-    def _untrack(self, out: torch.futures.Future[Any]) -> None:
-        with self._lock:
-            self._pending.pop(id(out), None)
-            self._started.pop(id(out), None)
+        def done(_: torch.futures.Future[Any]) -> None:
+            # gloo's thread (the collective completed), or a release (then never the
+            # link's value: it is not the collective's).
+            result = entry.fallback
+            if not entry.released:
+                try:
+                    gloo.value()  # raises when the collective failed
+                    result = entry.value()
+                except Exception as exc:  # a peer died, or a result that cannot be read
+                    self.fail(f"a collective failed ({_first_line(exc)})", entry.generation)
+                    result = entry.fallback
+            self._untrack(entry)
+            _complete(entry.out, result)
+            entry.settled = True
 
-    def _wait(self, work: Any, out: torch.futures.Future[Any], generation: int) -> bool | None:
-        """Wait for ``work`` in slices: True when it succeeded, False when it failed (the
-        step fails), None when the guard released it first (abort, or the guard closed)."""
-        while not out.done() and not self._closed.is_set() and generation == self._generation:
-            try:
-                if work.wait(_SLICE):
-                    return True
-            except Exception as exc:
-                if not work.is_completed():
-                    continue  # the slice ended: look at an abort, then wait on
-                if work.exception() is None:
-                    return True  # it completed just after the slice ended
-                self.fail(f"a collective failed ({_first_line(exc)})", generation)
-                return False
-        return None  # released, or its group was re-formed away (nobody waits for it)
+        link.add_done_callback(done)
+        return entry.out
 
     def run(self, start: Callable[[], dist.Work | None], fallback: Any = None) -> bool:
         """Start a collective and wait for it; False when it failed or was aborted."""
@@ -180,14 +259,10 @@ class StepGuard:
             return False
         if work is None:
             return self.failure is None
-        tracked = self._track(fallback)
-        if tracked is None:
+        out = self._link(work, lambda: None, fallback)
+        if out is None:
             return False
-        out, generation = tracked
-        try:
-            self._wait(work, out, generation)
-        finally:
-            self._untrack(out)
+        out.wait()  # completed in gloo's thread as the collective completes, or by a release
         return self.failure is None
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None) -> bool:
@@ -208,50 +283,25 @@ class StepGuard:
         if self.failure is not None or self.aborted is not None:
             return self.watch(_done(buf), buf)
         world = dist.get_world_size()
+        summed = buf.clone()
         try:
-            work = dist.all_reduce(buf.clone(), async_op=True)
+            work = dist.all_reduce(summed, async_op=True)
         except Exception as exc:
             self.fail(f"the gradient all-reduce failed to start ({_first_line(exc)})")
             return self.watch(_done(buf), buf)
-        tracked = self._track(buf)
-        if tracked is None:
-            return self.watch(_done(buf), buf)
-        out, generation = tracked
-        self._hooks.put((work, out, buf, world, generation))
-        self._start_hook_thread()
-        return out
-
-    def _start_hook_thread(self) -> None:
-        if self._hook_thread is None:
-            self._hook_thread = threading.Thread(
-                target=self._complete_hooks, name="elastic-guard", daemon=True
-            )
-            self._hook_thread.start()
-            atexit.register(self.close)  # while Python is alive, not from a gloo thread
-
-    def _complete_hooks(self) -> None:
-        """Complete each hook future with its average, or its input when it failed."""
-        while not self._closed.is_set():
-            try:
-                work, out, fallback, world, generation = self._hooks.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            try:
-                ok = self._wait(work, out, generation)
-                value = work.result()[0].div_(world) if ok else fallback
-            except Exception as exc:  # a result that cannot be read: the step fails
-                self.fail(f"the gradient all-reduce failed ({_first_line(exc)})", generation)
-                value = fallback
-            finally:
-                self._untrack(out)
-            _complete(out, value)
+        out = self._link(work, lambda: summed.div_(world), buf)
+        return self.watch(_done(buf), buf) if out is None else out
 
     def close(self) -> None:
-        """Stop the hook thread (at exit; a collective still in flight is left to gloo)."""
-        self._closed.set()
-        thread = self._hook_thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=1)
+        """At exit, while Python runs: release what is still in flight (its collective is
+        left to gloo; no Python runs when it completes)."""
+        with self._lock:
+            self._closed = True
+            pending = self._take_pending()
+        racing = [entry for entry in pending if not entry.release()]
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while not all(entry.settled for entry in racing) and time.monotonic() < deadline:
+            time.sleep(0.001)  # gloo's thread runs their callback in microseconds: let it
 
     def install(self, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> None:
         """Route ``model``'s (DDP) collectives through the guard; make ``optimizer.step()`` and
@@ -259,7 +309,7 @@ class StepGuard:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             # DDP checks the hook's annotations, which this module keeps as strings.
             model.register_comm_hook(None, lambda state, bucket: self.ddp_hook(state, bucket))
-            model._distributed_broadcast_coalesced = self._broadcast  # type: ignore[method-assign]
+            groups.route_buffer_broadcast(model, self._broadcast)
         optimizer.step = self._skipping(optimizer.step)  # as torch's LR schedulers do
         if scheduler is not None:  # its state_dict() is its __dict__: change the class
             cls = type(scheduler)
