@@ -62,10 +62,14 @@ class CompoundInjector(Injector):
 
     def _freeze_leave_in_save(self, fault: Fault) -> None:
         frozen = self._victim()
-        leaver = self._other(frozen.name)
         seconds = self.opts.freeze_s
         stopped = self._freeze_node(frozen, seconds)
         attempt = self._save_started(time.monotonic() + AIM_S)
+        leaver = self._other(frozen.name)
+        if leaver is None:
+            fault.node, fault.hit = frozen.name, False
+            fault.detail = f"{frozen.name} frozen {seconds:g} s; no other node left to leave"
+            return
         step_now = self.job.tail.last_step()
         fault.node = f"{frozen.name}+{leaver.name}"
         fault.t, fault.step_before = time.time(), step_now  # the leave
@@ -124,9 +128,10 @@ class CompoundInjector(Injector):
             pause(0.005)
         return None
 
-    def _other(self, not_this: str) -> Node:
+    def _other(self, not_this: str) -> Node | None:
+        """A live node other than ``not_this`` (None: none is left; the job ended)."""
         live = sorted((n for n in self.job.live() if n.name != not_this), key=lambda n: n.name)
-        return self.rng.choice(live)
+        return self.rng.choice(live) if live else None
 
     # -- a join during a re-form -------------------------------------------------------------
 
@@ -169,6 +174,10 @@ class CompoundInjector(Injector):
         deadline = time.monotonic() + AIM_S
         worker, opened = self._joiner_in_sync(node, deadline)
         holder = self._other(joiner)
+        if holder is None:
+            fault.node, fault.hit = joiner, False
+            fault.detail = f"{joiner} joined; no node holding the state was left to kill"
+            return
         fault.node = f"{joiner}+{holder.name}"
         fault.t, fault.step_before = time.time(), self.job.tail.last_step()
         self.job.killed.add(holder.name)
