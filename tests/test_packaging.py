@@ -151,3 +151,45 @@ def test_console_scripts_run(venv: Path, tmp_path: Path, clean_env: dict[str, st
     assert "--rdzv-conf" in _run(
         [str(venv / "bin" / "elastic-agent"), "--help"], tmp_path, clean_env
     )
+
+
+def _pins() -> dict[str, str]:
+    from packaging.utils import canonicalize_name
+
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    pairs = [line.split("==") for line in lines if line and not line.startswith("#")]
+    return {canonicalize_name(name): version for name, version in pairs}
+
+
+def test_constraints_pin_every_dev_requirement_within_its_bounds() -> None:
+    """constraints.txt (what `make` installs) agrees with pyproject.toml: regenerate it
+    with `make constraints` after changing a dependency."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted, todo, seen = list(project["dependencies"]), ["dev"], set()
+    while todo:
+        extra = todo.pop()
+        seen.add(extra)
+        for line in extras[extra]:
+            req = Requirement(line)
+            if canonicalize_name(req.name) == "elastic":
+                todo.extend(e for e in req.extras if e not in seen)
+            else:
+                wanted.append(line)
+    pins = _pins()
+    for line in wanted:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not in constraints.txt: run `make constraints`"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt pins {req.name}=={pins[name]} outside {line!r}: "
+            "run `make constraints`"
+        )
+    assert not SpecifierSet(project["requires-python"]).contains("3.10.8")  # CVE-2022-42919
+    assert SpecifierSet(project["requires-python"]).contains("3.10.9")
