@@ -165,7 +165,6 @@ def test_constraints_pin_every_dev_requirement_within_its_bounds() -> None:
     """constraints.txt (what `make` installs) agrees with pyproject.toml: regenerate it
     with `make constraints` after changing a dependency."""
     import tomllib
-
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
     from packaging.utils import canonicalize_name
