@@ -62,6 +62,18 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "them: round, world_size, change, seconds",
         "recovery.resume": "a rank resumed: step, source (memory: its node's snapshot, peer: "
         "streamed from a holder, storage, fresh), seconds, bytes received, held, persisted",
+        "job.stopped": "rank 0: every rank was asked to stop after a step, so the job's loop "
+        "ends (elastic.recovery.agreement): step, reason",
+        # elastic.recovery.timing, elastic.recovery.hang (slow and stuck ranks)
+        "straggler.detected": "rank 0: a node ran slower than threshold times the median for "
+        "steps consecutive steps: step, node, ranks, rank (its first), ratio, steps, "
+        "threshold, policy (whether it is dropped)",
+        "straggler.dropped": "rank 0: the straggler policy drops a node in place (its agent "
+        "leaves the job): step, node, ranks, ratio, reason",
+        "worker.hang": "a rank stayed inside a step past the hang bound without reaching its "
+        "collectives; it exits so that the group goes on: rank, step, pid, seconds, bound_s",
+        "worker.stacks": "the Python stacks of every thread of a stuck worker "
+        "(faulthandler): rank, step, pid, stacks",
     }
 )
 _warned_pid: int | None = None  # the process that already warned of a failed write

@@ -1,0 +1,150 @@
+"""The straggler rule (elastic.recovery.straggler): a pure function of (view, state, now),
+table-tested with a fake clock; and the boundary vector's per-rank slots carry it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic.errors import ConfigError
+from elastic.recovery import straggler
+from elastic.recovery.boundary import Layout, Vote
+from elastic.recovery.straggler import Options, State, View, decide
+
+ON = Options(ratio=2.0, steps=3, drop=True, min_nodes=2, window_s=60.0)
+
+
+def _view(step: int, compute: list[float], nodes: list[int] | None = None) -> View:
+    nodes = nodes if nodes is not None else list(range(len(compute)))
+    return View(step, tuple(compute), tuple(0.0 for _ in compute), tuple(nodes))
+
+
+def _run(
+    steps: list[list[float]], options: Options, nodes: list[int] | None = None, t0: float = 0.0
+) -> list[straggler.Decision]:
+    state, out = State(), []
+    for i, compute in enumerate(steps):
+        d = decide(_view(i, compute, nodes), state, t0 + i, options)
+        state = d.state
+        out.append(d)
+    return out
+
+
+def test_ratios_are_to_the_median() -> None:
+    assert straggler.ratios((1.0, 1.0, 3.0)) == (1.0, 1.0, 3.0)
+    assert straggler.ratios((0.0, 0.0)) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("steps", "detected_at", "dropped_at"),
+    [
+        ([[1, 1, 3]] * 5, 2, 2),  # K=3 consecutive steps: named and dropped at the third
+        ([[1, 1, 3], [1, 1, 3], [1, 1, 1], [1, 1, 3], [1, 1, 3], [1, 1, 3]], 5, 5),  # reset
+        ([[1, 1, 1.9]] * 6, None, None),  # below X
+        ([[1, 1, 3], [0, 0, 0], [1, 1, 3], [1, 1, 3]], 3, 3),  # an unmeasured step: kept
+    ],
+)
+def test_k_consecutive_steps_above_x(
+    steps: list[list[float]], detected_at: int | None, dropped_at: int | None
+) -> None:
+    decisions = _run(steps, ON)
+    detected = [i for i, d in enumerate(decisions) if d.detected]
+    dropped = [i for i, d in enumerate(decisions) if d.drop is not None]
+    assert detected == ([] if detected_at is None else [detected_at])
+    assert dropped == ([] if dropped_at is None else [dropped_at])
+    for i in dropped:
+        drop = decisions[i].drop
+        assert drop is not None and drop.node == 2 and drop.ranks == (2,) and drop.ratio == 3.0
+
+
+def test_policy_off_detects_only() -> None:
+    decisions = _run([[1, 1, 3]] * 5, Options(ratio=2.0, steps=3))
+    assert [bool(d.detected) for d in decisions] == [False, False, True, False, False]
+    assert all(d.drop is None for d in decisions)
+    assert "the policy is off" in decisions[-1].reason
+
+
+def test_a_node_is_its_slowest_rank() -> None:
+    # 3 nodes of 2 ranks; rank 5 (node 2) is slow: node 2 is named with both its ranks
+    nodes = [0, 0, 1, 1, 2, 2]
+    d = _run([[1, 1, 1, 1, 1, 3]] * 3, ON, nodes)[-1]
+    assert d.drop is not None and d.drop.ranks == (4, 5)
+    assert d.ratios[5] == 3.0
+
+
+def test_two_nodes_name_nobody() -> None:
+    """The median of two is their mean: a node at 1/3 speed reads 1.5 against 0.5, and
+    nothing tells which of the two holds the other back; nothing is named or dropped."""
+    for d in _run([[1, 3]] * 6, ON):
+        assert not d.detected and d.drop is None
+        assert "cannot say which one is slow" in d.reason
+        assert d.ratios == (0.5, 1.5)
+
+
+def test_never_below_min_nodes() -> None:
+    d = _run([[1, 1, 3]] * 3, Options(2.0, 3, True, min_nodes=3))[-1]
+    assert d.detected and d.drop is None and "fewer than 3 nodes" in d.reason
+
+
+def test_one_drop_per_window() -> None:
+    # nodes 3 and 4 both slow: the slowest goes first, the other waits for the window
+    state = State()
+    compute = [1.0, 1.0, 1.0, 4.0, 3.0]
+    drops: list[tuple[float, int]] = []
+    for now in [0.0, 1.0, 2.0, 3.0, 30.0, 61.0, 62.0, 63.0]:
+        d = decide(_view(0, compute), state, now, ON)
+        state = d.state
+        if d.drop is not None:
+            drops.append((now, d.drop.node))
+            compute = [1.0, 1.0, 1.0, 1.0, 3.0]  # node 3 is gone (reads as healthy here)
+    assert drops[0] == (2.0, 3)
+    assert all(now - 2.0 >= 60.0 for now, _ in drops[1:]), drops
+    assert [n for _, n in drops] == [3, 4]
+
+
+def test_hang_bound() -> None:
+    assert straggler.hang_bound((), 5.0, 10.0) == 5.0
+    assert straggler.hang_bound((1.0, 1.0, 9.0), 5.0, 10.0) == 10.0
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, Options()),
+        ({"ELASTIC_STRAGGLER": "off"}, Options()),
+        ({"ELASTIC_STRAGGLER": "2.5,4"}, Options(2.5, 4, True)),
+        ({"ELASTIC_STRAGGLER": "2,5", "ELASTIC_STRAGGLER_MIN_NODES": "3"}, Options(2, 5, True, 3)),
+    ],
+)
+def test_options_from_env(env: dict[str, str], expected: Options) -> None:
+    assert straggler.options_from_env(env) == expected
+
+
+@pytest.mark.parametrize("raw", ["2", "x,5", "1,5", "2,0"])
+def test_bad_options_say_what_to_write(raw: str) -> None:
+    with pytest.raises(ConfigError, match="ELASTIC_STRAGGLER"):
+        straggler.options_from_env({"ELASTIC_STRAGGLER": raw})
+
+
+def test_hang_from_env() -> None:
+    assert straggler.hang_from_env({}) == (60.0, 10.0)
+    assert straggler.hang_from_env({"ELASTIC_HANG": "off"}) is None
+    assert straggler.hang_from_env({"ELASTIC_HANG": "2,5"}) == (2.0, 5.0)
+    with pytest.raises(ConfigError):
+        straggler.hang_from_env({"ELASTIC_HANG": "2"})
+
+
+def test_slots_ride_on_the_agreement_vector() -> None:
+    """Each rank writes its own slots; the sum (the all-reduce) gives every rank all."""
+    layout = Layout(3, straggler.SLOTS)
+    summed = torch.zeros(layout.size, dtype=torch.float64)
+    for rank in range(3):
+        slots = {"compute_s": 0.1 * (rank + 1), "wait_s": 0.01 * rank, "node": 4e9 + rank}
+        summed += layout.build(Vote(), (1.0, 1.0), rank, slots)
+    tally = layout.parse(summed)
+    assert tally.slots == (
+        (0.1, 0.0, 4e9),
+        (0.2, 0.01, 4e9 + 1),
+        (0.30000000000000004, 0.02, 4e9 + 2),
+    )
+    assert tally.weight == 3.0
