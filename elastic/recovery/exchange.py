@@ -95,7 +95,7 @@ def newest(offers: list[Offer]) -> Plan:
         return Plan("live", step, round_, world_size=world)
     top = max((live for live in lives if live is not None), default=None)
     held = [(o.live if o.live == top else None) if o.live is not None else o.held for o in offers]
-    plan = decide(held, max((o.persisted for o in offers), default=-1))
+    plan = decide(held, offers[0].persisted if offers else -1)  # rank 0's word only
     if plan.source != "memory":
         return plan
     writers = tuple(r for r, live in enumerate(lives) if live is not None and live == top)
