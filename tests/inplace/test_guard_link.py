@@ -3,6 +3,7 @@ one in-memory store), so a collective can be left pending by simply not posting 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -49,7 +50,7 @@ def test_a_collective_that_succeeds_completes_without_a_thread_of_the_guards(
         mine, theirs = torch.ones(4), torch.ones(4)
         peer = threading.Thread(target=_post, args=(pg1, theirs))
         peer.start()
-        assert guard.run(lambda m=mine: pg0.allreduce([m]))
+        assert guard.run(functools.partial(pg0.allreduce, [mine]))
         peer.join(10)
         assert torch.equal(mine, torch.full((4,), 2.0))
         assert guard.in_flight_since() is None
