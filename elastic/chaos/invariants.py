@@ -362,21 +362,36 @@ def model_differences(final: Mapping[str, Any], reference: Mapping[str, Any]) ->
 def kept_samples(samples: Iterable[Mapping[str, Any]]) -> dict[int, list[int]]:
     """Step -> the sample indices of the trajectory that survived (``train.samples`` events).
 
-    A redone step replaces the old attempt: for each step the newest event's world size
-    wins and, per rank, the newest event of that world size.
+    A redone step replaces the old attempt: for each step, the most recent world size whose
+    records are complete (one per rank) wins and, per rank, the newest record of that world
+    size. A rank thawed after its group went on without it may record the step it was
+    frozen in, alone, at its old world size: an incomplete attempt, passed over. With no
+    complete attempt, the newest world size's records are taken (and the check flags them).
     """
     per_step: dict[int, list[Mapping[str, Any]]] = {}
     for e in samples:
         per_step.setdefault(int(e["step"]), []).append(e)
     kept: dict[int, list[int]] = {}
     for step, found in per_step.items():
-        world = found[-1]["world_size"]
-        ranks: dict[int, list[int]] = {}
-        for e in reversed(found):
-            if e["world_size"] == world and e["rank"] not in ranks:
-                ranks[e["rank"]] = list(e["indices"])
+        worlds = list(dict.fromkeys(e["world_size"] for e in reversed(found)))
+        chosen = None
+        for world in worlds:
+            ranks = _newest_by_rank(found, world)
+            if len(ranks) == world:
+                chosen = ranks
+                break
+        ranks = chosen if chosen is not None else _newest_by_rank(found, worlds[0])
         kept[step] = [i for r in sorted(ranks) for i in ranks[r]]
     return kept
+
+
+def _newest_by_rank(found: Sequence[Mapping[str, Any]], world: int) -> dict[int, list[int]]:
+    """Each rank's newest record at ``world``: rank -> its indices."""
+    ranks: dict[int, list[int]] = {}
+    for e in reversed(found):
+        if e["world_size"] == world and e["rank"] not in ranks:
+            ranks[e["rank"]] = list(e["indices"])
+    return ranks
 
 
 def sample_problems(kept: Mapping[int, list[int]], steps_per_epoch: int, batch: int) -> list[str]:

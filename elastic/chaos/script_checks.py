@@ -41,6 +41,9 @@ from elastic.chaos.invariants import (
 from elastic.chaos.job import ChaosJob
 from elastic.chaos.script import ScriptReference, ScriptSpec, final_script_model
 
+# What an agent says when it finds the job's rendezvous closed: the job finished first.
+FINISHED = "is closed (the job finished)"
+
 
 def check_script_invariants(
     job: ChaosJob,
@@ -119,12 +122,16 @@ def stale_reports(steps: Sequence[Mapping[str, Any]]) -> list[int]:
 
 def exits_explained(job: ChaosJob, spec: ScriptSpec, codes: Mapping[str, int | None]) -> Check:
     """Each agent's exit code has a reason: killed by us (SIGKILL), a planned leave
-    (SIGTERM, exit 0), or the job's end (exit 0 at the last step)."""
+    (SIGTERM, exit 0), the job's end (exit 0 at the last step), or a joiner that found
+    the rendezvous closed because the job had finished (its log says so)."""
     problems = []
     for name in sorted(codes):
         code = codes[name]
         exit_info = job.exits.get(name, {})
-        why = explain(name, code, exit_info.get("step"), spec.steps, job.killed, job.left)
+        step = exit_info.get("step")
+        if code != 0 and step == spec.steps and FINISHED in job.cluster.nodes[name].output():
+            continue  # it came as the job ended: the rendezvous was closed
+        why = explain(name, code, step, spec.steps, job.killed, job.left)
         if why is not None:
             problems.append(why)
     return check(

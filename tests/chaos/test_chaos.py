@@ -53,6 +53,10 @@ def test_kept_samples_takes_the_redone_attempt() -> None:
     ]
     kept = kept_samples(samples)
     assert kept == {1: [0, 1, 2, 3], 2: [4, 5, 6, 7], 3: [8, 9, 10, 11]}
+    # A thawed rank's stale record of the step it was frozen in, alone at its old world
+    # size, does not replace the complete attempt of its group (which went on without it).
+    stale = [ev(4, 0, 1, [0, 1, 2, 3]), ev(4, 1, 2, [9])]
+    assert kept_samples([*samples, *stale])[4] == [0, 1, 2, 3]
     assert sample_problems(kept, steps_per_epoch=3, batch=4) == []
     kept[3] = [8, 9, 10, 0]
     assert sample_problems(kept, steps_per_epoch=3, batch=4)
