@@ -30,10 +30,13 @@ import zipfile
 from pathlib import Path
 
 from elastic import env
-from elastic.agent.forkserver import enabled
+from elastic.agent.forkserver import SCRIPT_PRELOAD, enabled, start_server
 
 logger = logging.getLogger(__name__)
 
+# What a script on elastic.Run imports besides torch: preloaded for it (a plain torchrun
+# script gets torch only; a joining node's worker forks once the server's imports are done).
+RUN_PRELOAD = ["torch.distributed.checkpoint", "elastic.recovery", "elastic.checkpoint"]
 # What imports the server made: a script that sets the environment before one of these
 # means to steer that import.
 _PRELOADED_ROOTS = ("torch", "torchvision")
@@ -116,6 +119,65 @@ def _sets_env_before_torch(source: str) -> bool:
     return False
 
 
+def _imports_elastic(source: str) -> bool:
+    """Whether the script imports our package anywhere (``import elastic``, ``from elastic``)."""
+    try:
+        tree = ast.parse(Path(source).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "elastic" for a in node.names
+        ):
+            return True
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "elastic"
+        ):
+            return True
+    return False
+
+
+def preload_for(target: str, module: bool) -> list[str]:
+    """What the fork server of a user's script imports: torch, and for a script on
+    ``elastic.Run`` what ``Run`` imports (DCP, our recovery and checkpoint modules); never
+    torchvision or our own worker (:data:`elastic.agent.forkserver.PRELOAD`)."""
+    source, _ = _script_source(target, module)
+    extra = RUN_PRELOAD if source is not None and _imports_elastic(source) else []
+    return [*SCRIPT_PRELOAD, *extra]
+
+
+_NPROC = ("--nproc-per-node", "--nproc_per_node")
+_NOT_EARLY = ("-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
+
+
+def start_early_for_script(argv: list[str]) -> bool:
+    """Start a user's script's fork server before the agent imports torch (both imports
+    then overlap: a joining node's first worker forks seconds sooner), from the raw
+    arguments; True when started. Only for the plain case (``SCRIPT.py``, an integer
+    ``--nproc-per-node``, nothing that makes it cold); torchrun's later change to the
+    environment, OMP_NUM_THREADS=1 for more than one process, is given to the server in
+    advance. A wrong guess is caught before each start (the environment differs: that
+    start is cold, :func:`elastic.agent.forkserver.server_cold_reason`)."""
+    at = next((i for i, a in enumerate(argv) if a.endswith(".py")), None)
+    if at is None or not enabled():
+        return False
+    options = argv[:at]
+    if any(a.partition("=")[0] in _NOT_EARLY for a in options):
+        return False
+    nproc = "1"
+    for i, a in enumerate(options):
+        name, eq, value = a.partition("=")
+        if name in _NPROC:
+            nproc = value if eq else (options[i + 1] if i + 1 < len(options) else "")
+    if not nproc.isdigit() or cold_reason(argv[at], False, False, False) is not None:
+        return False
+    extra = {"OMP_NUM_THREADS": "1"} if int(nproc) > 1 else {}
+    start_server(preload_for(argv[at], False), extra_env=extra)
+    return True
+
+
 def cold_reason(target: str, module: bool, no_python: bool, run_path: bool) -> str | None:
     """Why a user's script must start cold (once, at the agent's start), or None."""
     if not enabled():
@@ -141,4 +203,4 @@ def cold_reason(target: str, module: bool, no_python: bool, run_path: bool) -> s
     return None
 
 
-__all__ = ["cold_reason", "note_cold"]
+__all__ = ["RUN_PRELOAD", "cold_reason", "note_cold", "preload_for", "start_early_for_script"]

@@ -59,21 +59,28 @@ def enabled() -> bool:
     return env.flag(env.WARM_START)
 
 
-def start_server(modules: Sequence[str] = PRELOAD) -> None:
+def start_server(modules: Sequence[str] = PRELOAD, extra_env: dict[str, str] | None = None) -> None:
     """Start the fork server now and have it import ``modules`` in the background.
 
     Returns at once; the first fork waits for the imports to finish. Call it before
-    anything else starts (the server inherits this process's environment). Only the first
-    call starts a server.
+    anything else starts (the server inherits this process's environment, plus
+    ``extra_env``: what this process is about to set, as torchrun sets OMP_NUM_THREADS once
+    its options are parsed). Only the first call starts a server.
     """
     global _started
     if _started:
         return
     _started = True
-    _server_env.update(os.environ)
+    extra = {k: v for k, v in (extra_env or {}).items() if k not in os.environ}
+    _server_env.update(os.environ, **extra)
     started = time.monotonic()
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(modules))
-    forkserver.ensure_running()
+    os.environ.update(extra)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for key in extra:
+            os.environ.pop(key, None)
     logger.info(
         "Started the worker fork server in %.2f s; it is importing %s.",
         time.monotonic() - started,

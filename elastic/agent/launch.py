@@ -264,6 +264,8 @@ def _start_warm_server_early(argv: list[str]) -> None:
     )
     if ours and warm.enabled():
         warm.start_server()
+    elif not ours:
+        warm.start_early_for_script(argv)  # a user's script: when its rules allow
 
 
 def _runs_our_worker(args: argparse.Namespace) -> bool:
@@ -293,7 +295,7 @@ def _warm_entrypoint(
     config.start_method = warm.START_METHOD
     # Started now, not early: torchrun's own changes to the environment (OMP_NUM_THREADS)
     # are made, so the server imports torch under the environment a fresh worker has.
-    warm.start_server()
+    warm.start_server(warm.preload_for(args.training_script, bool(args.module)))
     logger.info("Workers of %s start warm (forked from the fork server).", args.training_script)
     script = warm.PlainScript(args.training_script, bool(args.module), cmd)
     return script, list(args.training_script_args)

@@ -33,9 +33,9 @@ Small hooks into torch's agent:
   (skipping, with one log line, what is not this uid's to remove: it starts regardless).
 * **In-place re-forms** (:mod:`elastic.inplace`): when every local worker is a script on
   ``elastic.Run`` that registered on its channel, a change of membership runs the
-  rendezvous and hands the running workers their new ranks instead of restarting them
-  (:meth:`NodeAgent._restart_workers`); a lost peer is announced first, so that a
-  collective blocked on it is released while the round forms.
+  rendezvous and hands the running workers their new ranks instead of restarting them:
+  torch's ``_restart_workers`` goes in place when the host is ready, else restarts
+  (:class:`elastic.agent.inplace_host.InPlaceHost` does the in-place part).
 * **Metrics** (:mod:`elastic.metrics`, with ``--metrics-port``): each round, change,
   failure and spent restart is recorded; the hooks do nothing when metrics are off.
 * **A worker's exit is noticed at once.** torch sleeps ``--monitor-interval`` between

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from elastic.agent.cold_start import cold_reason, note_cold
+from elastic.agent.cold_start import cold_reason, note_cold, preload_for, start_early_for_script
 from elastic.agent.forkserver import (
     PRELOAD,
     SCRIPT_PRELOAD,
@@ -29,7 +29,9 @@ __all__ = [
     "cold_reason",
     "enabled",
     "note_cold",
+    "preload_for",
     "run_worker",
     "server_cold_reason",
+    "start_early_for_script",
     "start_server",
 ]

@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers import REPO, node_env, wait_until
 
+pytestmark = pytest.mark.system  # agents and torchrun, real processes
 PROBE = str(REPO / "tests" / "scripts" / "fresh_probe.py")
 COMMON = ["--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1"]
 LAUNCHERS = {

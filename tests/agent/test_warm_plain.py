@@ -215,3 +215,39 @@ def test_a_forked_script_ends_as_a_fresh_interpreter() -> None:
     assert code.returncode == 7
     crash = _exit_of("def f():\n    raise ValueError('boom')\nwarm._finish(*warm._run_main(f))")
     assert crash.returncode == 1 and "ValueError: boom" in crash.stderr
+
+
+def test_a_scripts_fork_server_preloads_neither_torchvision_nor_our_worker(tmp_path: Path) -> None:
+    from elastic.agent import cold_start, forkserver
+
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\nimport torch.distributed as dist\n")
+    on_run = tmp_path / "on_run.py"
+    on_run.write_text("import torch\n\ndef main():\n    from elastic import Run\n")
+    assert cold_start.preload_for(str(plain), False) == forkserver.SCRIPT_PRELOAD
+    with_run = cold_start.preload_for(str(on_run), False)
+    assert with_run == [*forkserver.SCRIPT_PRELOAD, *cold_start.RUN_PRELOAD]
+    for preload in (cold_start.preload_for(str(plain), False), with_run):
+        assert "torchvision" not in preload and forkserver.WORKER_MODULE not in preload
+    assert "torchvision" in forkserver.PRELOAD  # our worker's server: its dataset needs it
+
+
+@pytest.mark.integration  # the interpreter-options probe runs a python
+def test_a_scripts_fork_server_starts_before_the_agent_imports_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from elastic.agent import cold_start
+
+    started: list[tuple[list[str], dict[str, str] | None]] = []
+    monkeypatch.setattr(
+        cold_start, "start_server", lambda m, extra_env=None: started.append((m, extra_env))
+    )
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    agent = ["--nnodes=1:3", "--nproc-per-node", "2"]
+    assert cold_start.start_early_for_script([*agent, SCRIPT, "out"])
+    # torchrun sets OMP_NUM_THREADS=1 for 2 processes once its options are parsed
+    assert started == [(cold_start.preload_for(SCRIPT, False), {"OMP_NUM_THREADS": "1"})]
+    assert not cold_start.start_early_for_script(["--nproc-per-node=auto", SCRIPT])
+    assert not cold_start.start_early_for_script(["--no-python", SCRIPT])
+    assert not cold_start.start_early_for_script(["-m", "pkg.mod"])
+    assert len(started) == 1
