@@ -201,7 +201,11 @@ def wait_stable(
     while time.monotonic() < deadline:
         expected = world()
         if expected is None:
-            fault.error = "every agent exited"
+            steps = tail.of("train.step")
+            if max((e["step"] for e in steps), default=0) >= max_steps:
+                fault.detail += "; the job ended meanwhile (nothing left to recover)"
+            else:
+                fault.error = "every agent exited"
             return
         fault.world = expected
         first = _recovery_step(tail, fault, max_steps)
