@@ -32,17 +32,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # First: out of os.environ before any child copies it, and wiped from /proc/<pid>/environ.
     take_password_from_env()
+    own_process = argv is None  # the command itself, not a caller in this process
     argv = list(sys.argv[1:] if argv is None else argv)
     # Before the fork server starts: it takes this environment for the workers.
     private_log = _event_log_for_workers() if _may_serve_metrics(argv) else None
     previous = _leave_on_signals()
+    stopped = False
     try:
-        return _main(argv)
+        code = _main(argv)
     except BaseException as exc:
         stop = _stop_signal(exc)
         if stop is None:
             raise
-        return _left(stop)
+        code, stopped = _left(stop), True
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -50,11 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from elastic import metrics
 
             metrics.remove_private_log(private_log)
+    if stopped and own_process:
+        _exit_now(code)
+    return code
 
 
 def _main(argv: list[str]) -> int:
     _start_warm_server_early(argv)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
@@ -90,8 +94,6 @@ def _main(argv: list[str]) -> int:
     exporter = None if port is None else _start_metrics(port, config)
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
-    except SignalException as exc:
-        return _left(exc.sigval)
     except ConfigError as exc:
         return _fail(str(exc), reform.USAGE)
     except (ElasticError, RendezvousError) as exc:
@@ -130,7 +132,8 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 
 def _leave_on_signals() -> dict[int, Any]:
     """A stop signal while the agent starts (imports, rendezvous) ends it as one later does:
-    it leaves the job and exits 0. Returns the handlers it replaced."""
+    it leaves the job and exits 0 (not killed by the signal). Returns the handlers it
+    replaced."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {sig: signal.signal(sig, _on_stop_signal) for sig in _STOP_SIGNALS}
@@ -149,6 +152,16 @@ def _stop_signal(exc: BaseException) -> signal.Signals | None:
 def _left(sig: signal.Signals) -> int:
     print(f"elastic-agent: left the job on {sig.name}.", file=sys.stderr)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """End the process after a stop signal without the interpreter's teardown: an etcd call
+    the signal interrupted (a rendezvous in progress) keeps its gRPC channel busy until the
+    call's deadline, and the channel's collection at exit waits for it (30 s measured)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _may_serve_metrics(argv: list[str]) -> bool:

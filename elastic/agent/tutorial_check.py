@@ -127,8 +127,8 @@ def init_sentence(
     return (
         "init_process_group would wait forever on a group elastic-agent did not form: it got "
         f"{', '.join(problems)}; delete the lines that set MASTER_ADDR/MASTER_PORT and call "
-        f"init_process_group(backend) without rank= and world_size= (the agent sets all four; "
-        f"see {GUIDE})."
+        "init_process_group(backend) without rank= and world_size=: the agent sets all four "
+        f"(see {GUIDE})."
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import signal
 import subprocess
 import textwrap
 from pathlib import Path
@@ -18,8 +19,10 @@ from tests.agent.jobs import Job
 from tests.helpers import (
     FAST_CONF,
     PYTHON,
+    REPO,
     agent_argv,
     local_cluster,
+    node_env,
     run_node,
     run_process,
     wait_until,
@@ -240,3 +243,38 @@ def test_only_our_worker_starts_warm(
         assert new_args[:4] == ["-u", "-m", "elastic.agent.run_script", "train.py"]
     else:
         assert (entrypoint, new_args) == (cmd, cmd_args)
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_agent_waits_for_its_job_leaves_with_0(
+    tmp_path: Path, etcd: EtcdServer, run_id: str
+) -> None:
+    script = REPO / "examples" / "tutorial" / "train.py"
+    options = {"nnodes": "2", "nproc": 1, "rdzv_conf": FAST_CONF}  # the second node never comes
+    environ = node_env(LOGLEVEL="INFO")
+    with local_cluster(tmp_path / "run", etcd.endpoint, run_id, environ, **options) as cluster:
+        node = cluster.start("a", worker=[str(script)])
+        wait_until(lambda: "Rendezvous'ing worker group" in node.output(), 180, "the rendezvous")
+        node.kill(signal.SIGTERM)
+        code = node.wait(30)  # before: killed by the signal (-15)
+    assert code == 0, node.output()[-3000:]
+    assert node.output().rstrip().endswith("elastic-agent: left the job on SIGTERM.")
+
+
+def test_a_stop_signal_before_torchs_agent_is_a_clean_leave(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from elastic.agent import launch
+
+    with pytest.raises(SignalException) as raised:
+        launch._on_stop_signal(signal.SIGTERM, None)
+    assert launch._stop_signal(raised.value) is signal.SIGTERM
+    monkeypatch.delitem(sys.modules, launch._TORCH_API)  # torch not imported yet
+    with pytest.raises(BaseException) as early:
+        launch._on_stop_signal(signal.SIGHUP, None)
+    assert launch._stop_signal(early.value) is signal.SIGHUP
+    assert launch._stop_signal(ValueError("x")) is None
