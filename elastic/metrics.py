@@ -41,6 +41,15 @@ Metrics (gauges unless said otherwise; a gauge appears once its value is known):
                                            which wait on purpose, are left out)
 ``elastic_etcd_request_errors_total``      counter: etcd requests that failed, by ``op`` and
                                            ``error``
+``elastic_rank_compute_seconds{rank}``     each rank's compute time in the newest step (its
+                                           step less its collectives' wait; ``train.step``
+                                           lists every rank in worlds up to 64 ranks)
+``elastic_rank_wait_seconds{rank}``        each rank's wait in that step's collectives
+``elastic_rank_slowness_ratio{rank}``      each rank's compute time over the ranks' median
+                                           (beyond 64 ranks: the 3 slowest only)
+``elastic_stragglers_detected_total``      counter: nodes named slow (``straggler.detected``)
+``elastic_workers_hung_total``             counter: workers that named themselves stuck
+                                           (``worker.hang``)
 =========================================  ===============================================
 
 Observability never stops training: an error anywhere in here is logged once (per place)
@@ -76,7 +85,7 @@ MAX_PARTIAL = 1 << 20  # a "line" longer than this without a newline is dropped
 MAX_NOTES = 1000  # the agent's notes kept for the next scrape (the oldest go first)
 RECOVERY_BUCKETS = (1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-_KINDS = ("train.step", "ckpt.save", "worker.restart")
+_KINDS = ("train.step", "ckpt.save", "worker.restart", "straggler.detected", "worker.hang")
 _WATCH_OPS = {"wait_for_event"}
 _ROUND = "round"  # the agent's note of a completed round (other notes name a change)
 
@@ -179,6 +188,16 @@ class AgentMetrics:
             "elastic_etcd_request_errors",
             "etcd requests of this agent that failed, by operation and error.",
             ["op", "error"],
+            registry=self.registry,
+        )
+        self.stragglers = Counter(
+            "elastic_stragglers_detected",
+            "Nodes named slower than the threshold times the median for K consecutive steps.",
+            registry=self.registry,
+        )
+        self.hung = Counter(
+            "elastic_workers_hung",
+            "Workers that stayed inside a step past the hang bound and exited.",
             registry=self.registry,
         )
         self.stall_total = Counter(
@@ -285,8 +304,17 @@ class AgentMetrics:
                 figures["elastic_train_loss"] = float(event["loss"])
             if "samples_per_s" in event:
                 figures["elastic_train_samples_per_second"] = float(event["samples_per_s"])
+            ranks = _rank_figures(event)
             with self._notes_lock:
+                if ranks:  # the newest step's ranks replace the previous step's
+                    for name in [n for n in self._gauges if n.startswith("elastic_rank_")]:
+                        del self._gauges[name]
                 self._gauges.update(figures)
+                self._gauges.update(ranks)
+        elif kind == "straggler.detected":
+            self.stragglers.inc()
+        elif kind == "worker.hang":
+            self.hung.inc()
         elif kind == "ckpt.save":
             self._on_save(event, ts)
         elif kind == "worker.restart" and "job_restarts_used" in event:
@@ -358,7 +386,33 @@ _HELP = {
     "elastic_checkpoint_age_seconds": "Seconds since the newest complete checkpoint was committed.",
     "elastic_checkpoint_last_stall_seconds": "Seconds the newest checkpoint save stopped "
     "training (its slowest rank).",
+    "elastic_rank_compute_seconds": "Each rank's compute time in the newest step (its step "
+    "less the time its collectives were in flight).",
+    "elastic_rank_wait_seconds": "Each rank's wait in the newest step's collectives.",
+    "elastic_rank_slowness_ratio": "Each rank's compute time over the median of the ranks'.",
 }
+
+
+def _rank_figures(event: dict[str, Any]) -> dict[str, float]:
+    """The per-rank gauges of a ``train.step`` event (elastic.recovery.timing): every rank's
+    compute, wait and ratio to the median when listed, else the slowest ranks' ratios."""
+    out: dict[str, float] = {}
+    compute, wait = event.get("compute_s"), event.get("wait_s")
+    if isinstance(compute, list) and compute:
+        times = [float(t) for t in compute]
+        ordered = sorted(times)
+        mid = len(ordered) // 2
+        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        for rank, t in enumerate(times):
+            out[f'elastic_rank_compute_seconds{{rank="{rank}"}}'] = t
+            out[f'elastic_rank_slowness_ratio{{rank="{rank}"}}'] = t / median if median else 1.0
+    if isinstance(wait, list):
+        for rank, t in enumerate(wait):
+            out[f'elastic_rank_wait_seconds{{rank="{rank}"}}'] = float(t)
+    if not out:
+        for rank, ratio in event.get("slowest") or ():
+            out[f'elastic_rank_slowness_ratio{{rank="{int(rank)}"}}'] = float(ratio)
+    return out
 
 
 class _StateCollector(Collector):
@@ -373,20 +427,20 @@ class _StateCollector(Collector):
         except Exception as exc:
             _warn_once("collecting the gauges", exc)
             return
-        members: GaugeMetricFamily | None = None
+        labelled: dict[str, GaugeMetricFamily] = {}  # name{label="value"}: one family each
         for name, value in values.items():
-            if name.startswith("elastic_rendezvous_members{"):
-                if members is None:
-                    members = GaugeMetricFamily(
-                        "elastic_rendezvous_members",
-                        _HELP["elastic_rendezvous_members"],
-                        labels=["state"],
+            if "{" in name:
+                base, _, rest = name.partition("{")
+                label, _, text = rest.rstrip("}").partition("=")
+                family = labelled.get(base)
+                if family is None:
+                    family = labelled[base] = GaugeMetricFamily(
+                        base, _HELP.get(base, base), labels=[label]
                     )
-                members.add_metric([name.split('"')[1]], value)
+                family.add_metric([text.strip('"')], value)
                 continue
             yield GaugeMetricFamily(name, _HELP.get(name, name), value=value)
-        if members is not None:
-            yield members
+        yield from labelled.values()
 
 
 def _rendezvous_state(handler: Any) -> tuple[int, int, int] | None:

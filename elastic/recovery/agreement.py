@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 from elastic import events, reform
 from elastic.errors import RecoveryError
 from elastic.recovery.boundary import Action, Layout, Outcome, Vote, decide
+from elastic.recovery.hang import HangWatch
+from elastic.recovery.straggler import SLOTS
+from elastic.recovery.timing import StepTimes
 
 if TYPE_CHECKING:
     from elastic.recovery.session import Run
@@ -41,8 +44,22 @@ class StepEnd:
 
     def __init__(self, run: Run) -> None:
         self.run = run
+        self.times = StepTimes(run)  # every rank's step times (elastic.recovery.straggler)
+        self._hang: HangWatch | None = None
 
     def after_step(self, final: bool = False) -> bool:
+        """:meth:`_after_step`, with the hang watch paused over the boundary."""
+        if self._hang is None:
+            guard = getattr(self.run._group, "guard", None)
+            recent = lambda: tuple(self.times.recent)  # noqa: E731
+            self._hang = HangWatch(guard, recent, lambda: (self.run.rank, self.run.step))
+        self._hang.pause()
+        try:
+            return self._after_step(final)
+        finally:
+            self._hang.resume()
+
+    def _after_step(self, final: bool = False) -> bool:
         """Count the step just run and act on the group's agreement; True when the group
         re-formed in place. A step whose collectives failed before its optimizer stepped
         does not count: its state is rewound and the group re-forms (a step whose
@@ -71,11 +88,16 @@ class StepEnd:
         run = self.run
         run.loss = None  # until the group agreed on it
         vote = self._vote()
-        layout = Layout(run.world_size)
-        flags = layout.build(vote, (float(run._loss[0]), float(run._loss[1])))
+        layout = Layout(run.world_size, SLOTS)
+        loss = (float(run._loss[0]), float(run._loss[1]))
+        flags = layout.build(vote, loss, run.rank, self.times.slots())
         run._loss.zero_()
+        began = time.perf_counter()
         agreed = run._group.agree(flags)
+        self.times.agreed(time.perf_counter() - began)
         tally = layout.parse(flags) if agreed else None
+        if tally is not None:
+            self.times.observe(tally)
         run.loss = tally.mean_loss if tally is not None else None
         everyone = tally is not None and tally.stops == run.world_size
         return decide(tally, run.world_size, vote, run._group.in_place), everyone
@@ -142,6 +164,7 @@ class StepEnd:
             fields["samples_per_s"] = round(samples / max(seconds, 1e-9), 2)
         if run.loss is not None:
             fields["loss"] = round(run.loss, 6)
+        fields.update(self.times.fields())  # the slowest ranks (elastic.recovery.straggler)
         events.emit(
             "train.step",
             step=run.step,

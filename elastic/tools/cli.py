@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument(
+        "--event-log",
+        default=None,
+        help="the run's event log (default $ELASTIC_EVENT_LOG): the slowest ranks, stuck ones",
+    )
+    status.add_argument(
         "--watch",
         nargs="?",
         type=float,
@@ -168,7 +173,13 @@ def _status(args: argparse.Namespace) -> int:
     from elastic.etcd.client import EtcdClient
     from elastic.rendezvous.keys import RunKeys
     from elastic.rendezvous.registry import state_secret
-    from elastic.tools.status import checkpoint_status, format_table, rendezvous_status, status_json
+    from elastic.tools.status import (
+        checkpoint_status,
+        format_table,
+        rendezvous_status,
+        status_json,
+        straggler_status,
+    )
 
     if args.watch is not None and args.watch <= 0:
         raise ConfigError(f"--watch {args.watch:g} is not a positive number of seconds.")
@@ -181,7 +192,7 @@ def _status(args: argparse.Namespace) -> int:
     def report(client: EtcdClient) -> str:
         rdzv = rendezvous_status(client, RunKeys(args.prefix, args.run_id), secret)
         ckpt = checkpoint_status(args.checkpoint_url, args.run_id, args.verify, secret)
-        return out(args.run_id, rdzv, ckpt)
+        return out(args.run_id, rdzv, ckpt, straggler_status(args.event_log))
 
     with EtcdClient(options) as client:
         try:

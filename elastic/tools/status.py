@@ -217,7 +217,60 @@ def checkpoint_status(
     return {"url": url, "verify": verify, "newest_complete_step": info.step if info else None}
 
 
-def format_table(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None) -> str:
+STRAGGLER_KINDS = ("train.step", "straggler.detected", "straggler.dropped", "worker.hang")
+MAX_LOG_READ = 4 << 20  # the newest bytes of the event log that status reads
+
+
+def straggler_status(event_log: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """The slowest ranks of the newest measured step (their compute time over the ranks'
+    median, from rank 0's ``train.step``: :mod:`elastic.recovery.timing`) and the newest
+    slow, dropped and stuck ranks, from the newest :data:`MAX_LOG_READ` bytes of the event
+    log (default ``$ELASTIC_EVENT_LOG``); None without a log."""
+    event_log = event_log or os.environ.get(env.EVENT_LOG)
+    if not event_log:
+        return None
+    from elastic.events import Tail
+
+    tail = Tail(event_log, kinds=STRAGGLER_KINDS, max_backlog=MAX_LOG_READ)
+    newest: dict[str, Any] | None = None
+    named: list[dict[str, Any]] = []
+    for event in tail.read():
+        if event.get("kind") == "train.step":
+            if "slowest" in event:
+                newest = event
+        else:
+            named.append(event)
+    out: dict[str, Any] = {"event_log": str(event_log), "step": None, "slowest": []}
+    if newest is not None:
+        out["step"] = newest.get("step")
+        out["slowest"] = [{"rank": r, "ratio": ratio} for r, ratio in newest["slowest"]]
+    keep = ("kind", "ts", "step", "rank", "ranks", "ratio", "steps", "seconds")
+    out["events"] = [{k: e[k] for k in keep if k in e} for e in named[-5:]]
+    return out
+
+
+def _straggler_lines(ranks: dict[str, Any]) -> list[str]:
+    if ranks["step"] is None:
+        return [f"  slowest ranks: no measured step in {ranks['event_log']}"]
+    slowest = ", ".join(f"rank {s['rank']} {s['ratio']:.2f}x" for s in ranks["slowest"])
+    lines = [f"  slowest ranks at step {ranks['step']} (to the median): {slowest}"]
+    for e in ranks["events"]:
+        when = datetime.fromtimestamp(float(e.get("ts", 0)), timezone.utc).strftime("%H:%M:%S")
+        if e["kind"] == "worker.hang":
+            what = f"rank {e.get('rank')} stuck {e.get('seconds')} s in step {e.get('step')}"
+        else:
+            verb = "dropped" if e["kind"] == "straggler.dropped" else "slow"
+            what = f"ranks {e.get('ranks')} {verb} at {e.get('ratio')}x (step {e.get('step')})"
+        lines.append(f"  {when} {e['kind']}: {what}")
+    return lines
+
+
+def format_table(
+    run_id: str,
+    rdzv: dict[str, Any],
+    ckpt: dict[str, Any] | None,
+    ranks: dict[str, Any] | None = None,
+) -> str:
     """A human-readable report."""
     lines = [f"run {run_id}"]
     if not rdzv["exists"]:
@@ -242,11 +295,21 @@ def format_table(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None)
         step = ckpt["newest_complete_step"]
         found = "none" if step is None else f"step {step}"
         lines.append(f"  newest complete checkpoint: {found} ({ckpt.get('verify', 'size')} check)")
+    if ranks is not None:
+        lines.extend(_straggler_lines(ranks))
     return "\n".join(lines)
 
 
-def status_json(run_id: str, rdzv: dict[str, Any], ckpt: dict[str, Any] | None) -> str:
-    return json.dumps({"run_id": run_id, "rendezvous": rdzv, "checkpoint": ckpt}, indent=2)
+def status_json(
+    run_id: str,
+    rdzv: dict[str, Any],
+    ckpt: dict[str, Any] | None,
+    ranks: dict[str, Any] | None = None,
+) -> str:
+    body = {"run_id": run_id, "rendezvous": rdzv, "checkpoint": ckpt}
+    if ranks is not None:
+        body["ranks"] = ranks
+    return json.dumps(body, indent=2)
 
 
 __all__ = [
@@ -260,4 +323,5 @@ __all__ = [
     "read_password",
     "rendezvous_status",
     "status_json",
+    "straggler_status",
 ]

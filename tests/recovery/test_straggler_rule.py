@@ -3,6 +3,9 @@ table-tested with a fake clock; and the boundary vector's per-rank slots carry i
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -148,3 +151,57 @@ def test_slots_ride_on_the_agreement_vector() -> None:
         (0.30000000000000004, 0.02, 4e9 + 2),
     )
     assert tally.weight == 3.0
+
+
+def test_metrics_show_every_ranks_times_and_the_counts(tmp_path: Path) -> None:
+    """The agent's exporter reads the per-rank figures off rank 0's train.step events."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from elastic import metrics
+
+    log = tmp_path / "events.jsonl"
+    lines = [
+        {
+            "ts": 1.0,
+            "kind": "train.step",
+            "step": 1,
+            "compute_s": [0.1, 0.1, 0.3],
+            "wait_s": [0.2, 0.2, 0.0],
+            "slowest": [[2, 3.0], [0, 1.0], [1, 1.0]],
+        },
+        {
+            "ts": 2.0,
+            "kind": "straggler.detected",
+            "step": 1,
+            "node": 7,
+            "ranks": [2],
+            "rank": 2,
+            "ratio": 3.0,
+            "steps": 3,
+            "threshold": 2.0,
+            "policy": False,
+        },
+        {
+            "ts": 3.0,
+            "kind": "worker.hang",
+            "rank": 1,
+            "step": 2,
+            "pid": 1,
+            "seconds": 61.0,
+            "bound_s": 60.0,
+        },
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    m = metrics.AgentMetrics(log)
+    text = generate_latest(m.registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("elastic_rank_slowness_ratio", (("rank", "2"),))] == pytest.approx(3.0)
+    assert samples[("elastic_rank_compute_seconds", (("rank", "0"),))] == pytest.approx(0.1)
+    assert samples[("elastic_rank_wait_seconds", (("rank", "1"),))] == pytest.approx(0.2)
+    assert samples[("elastic_stragglers_detected_total", ())] == 1
+    assert samples[("elastic_workers_hung_total", ())] == 1

@@ -369,3 +369,25 @@ def test_the_command_shows_the_undecoded_parts_and_asks_for_the_secret(
     assert "round 3  complete=True" in with_secret.stdout
     assert "host_7_0" in with_secret.stdout and "rank 0" in with_secret.stdout
     assert NEEDS_SECRET not in with_secret.stdout
+
+
+def test_status_shows_the_slowest_ranks_and_stuck_ones(tmp_path: Path) -> None:
+    """From the event log: the newest measured step's slowest ranks, then the newest slow,
+    dropped and stuck ranks (elastic.recovery.timing, elastic.recovery.hang)."""
+    log = tmp_path / "events.jsonl"
+    lines = [
+        {"ts": 1.0, "kind": "train.step", "step": 7, "slowest": [[2, 3.1], [0, 1.0]]},
+        {"ts": 2.0, "kind": "straggler.detected", "step": 7, "ranks": [2], "ratio": 3.1},
+        {"ts": 3.0, "kind": "worker.hang", "step": 9, "rank": 1, "seconds": 61.2},
+        {"ts": 4.0, "kind": "train.step", "step": 10},  # not measured: the newest stays 7
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    ranks = status_module.straggler_status(log)
+    assert ranks is not None and ranks["step"] == 7
+    assert ranks["slowest"][0] == {"rank": 2, "ratio": 3.1}
+    text = format_table("r", {"exists": False}, None, ranks)
+    assert "slowest ranks at step 7 (to the median): rank 2 3.10x, rank 0 1.00x" in text
+    assert "rank 1 stuck 61.2 s in step 9" in text
+    assert "ranks [2] slow at 3.1x" in text
+    assert json.loads(status_module.status_json("r", {"exists": False}, None, ranks))["ranks"]
+    assert status_module.straggler_status(None) is None or os.environ.get("ELASTIC_EVENT_LOG")
