@@ -3,7 +3,8 @@
 ``.metadata`` is torch's pickle of a :class:`~torch.distributed.checkpoint.metadata.Metadata`.
 :func:`read_metadata` unpickles it with ``find_class`` restricted to exactly the classes
 a DCP save of torch 2.14 pickles (:data:`ALLOWED`: the metadata dataclasses, the
-filesystem writer's storage record, ``torch.Size``, dtypes and layouts by name), with and
+filesystem writer's storage record, ``torch.Size``, dtypes and layouts by name, a POSIX
+path for the checkpoint id), with and
 without a job secret: a member that holds the secret and signs a hostile file still cannot
 run code. Then it checks the structure: every field of the type it must be, every chunk
 inside its tensor, and every item's storage record (where its bytes lie) naming a plain
@@ -15,6 +16,7 @@ Anything else is one :class:`~elastic.errors.CheckpointError` before a byte is r
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 import re
 from collections.abc import Mapping
@@ -51,6 +53,9 @@ _CLASSES: tuple[Any, ...] = (
 ALLOWED: dict[tuple[str, str], Any] = {
     **{(c.__module__, c.__qualname__): c for c in _CLASSES},
     ("torch", "Size"): torch.Size,
+    # StorageMeta.checkpoint_id of a save given a path (dcp.save(..., checkpoint_id=Path))
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("torch.serialization", "_get_layout"): get_layout,
     **{
         ("torch", name): value
