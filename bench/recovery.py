@@ -61,6 +61,20 @@ forked from the warm fork server (``plain-warm``) or as fresh processes (``plain
 process (goal: <= 1.0 s warm). Both run in the same repeat loop, interleaved with the
 others given.
 
+``mlp-inplace`` / ``torchft`` / ``torchft-default`` (``--backends``): the torchft comparison.
+The same job on both sides: ``tests/scripts/inplace_user.py`` (an MLP, AdamW, a cosine
+schedule, a global batch of 12 out of 1200 samples, on ``elastic.Run`` in place) under our
+agent, and ``bench/torchft_user.py`` (the same job on a ``torchft.Manager``, torchft's DDP
+and ``OptimizerWrapper``, one replica group per node) under torchft's Lighthouse, tuned like
+our fast-failover profile (``torchft``) or with torchft's defaults (``torchft-default``):
+``bench/torchft_cluster.py``. torchft is not installed with elastic; the bench refuses a
+torchft backend in one sentence naming the pip line. Run them with ``--step-s 0.08``;
+``--kill-first`` kills the joiner (3 -> 2) before n2 leaves (2 -> 1), the order of issue 27.
+``--trace-join`` samples the joiner's processes and every agent's channel files every 20 ms
+(:class:`JoinTrace`, ``trace_*`` figures), for where a join's time goes. ``spread`` has the
+median (min-max) of every figure in seconds (``*_s``) per path and event, the phases
+included; ``versus_torchft`` the ratios of ``mlp-inplace`` over ``torchft``.
+
 The nodes are started and driven by :class:`elastic.harness.cluster.LocalCluster`, and the
 scenario is :func:`elastic.harness.cluster.membership_scenario` (``elastic demo`` runs it too).
 The JSON output records the git commit and the UTC time of the run (``provenance``).
