@@ -1,5 +1,5 @@
 """The CNN worker, except that rank 0 dies (SIGKILL) once, right after its group agreed
-(``Run._agree``: after the step, before rank 0 reports it) on step K:
+(``StepEnd._agree``: after the step, before rank 0 reports it) on step K:
 ``python -m tests.recovery.agreed_then_killed K MARKER <worker args>``.
 
 The survivors complete step K (the agreement was their last collective of it) while
@@ -16,23 +16,23 @@ import sys
 import time
 from typing import Any
 
-from elastic.recovery.session import Run
+from elastic.recovery.agreement import StepEnd
 from elastic.training.worker import main
 
 SETTLE_S = 0.5
 
 
 def _arm(step: int, marker: str) -> None:
-    agree = Run._agree
+    agree = StepEnd._agree
 
-    def agree_then_die(self: Run) -> Any:
+    def agree_then_die(self: StepEnd) -> Any:
         agreed = agree(self)
-        if self.rank == 0 and self.step == step and _first(marker):
+        if self.run.rank == 0 and self.run.step == step and _first(marker):
             time.sleep(SETTLE_S)
             os.kill(os.getpid(), signal.SIGKILL)
         return agreed
 
-    Run._agree = agree_then_die  # type: ignore[method-assign]
+    StepEnd._agree = agree_then_die  # type: ignore[method-assign]
 
 
 def _first(marker: str) -> bool:
