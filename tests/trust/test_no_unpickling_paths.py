@@ -331,6 +331,13 @@ out = {
     "gather": [v.detail for v in wire.all_gather_json(mine, manager._result)],
     "broadcast": wire.broadcast_json(step if rank == 0 else None, manager._choice),
 }
+hostile = {"step": 4, "url": "data:application/octet-stream;base64,gAQu", "step_dir": "x",
+           "metadata": None}  # a place to read, not a step and its marker's digest
+try:
+    wire.broadcast_json(hostile if rank == 0 else None, manager._choice)
+    out["url"] = "accepted"
+except CheckpointError as exc:
+    out["url"] = str(exc)
 encode = wire._encode
 planted = {
     "pickle": b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00K\x01.",  # pickle.dumps(1)
@@ -364,3 +371,4 @@ def test_the_checkpoint_messages_are_checked_json_on_every_rank(tmp_path: Path) 
         assert "Rank 1 sent a checkpoint message that is no JSON" in got["pickle"]
         assert "from rank 1 is not a step outcome" in got["shape"]
         assert "Rank 1 announced a checkpoint message of 2048 bytes" in got["oversized"]
+        assert "from rank 0 is not a checkpoint step and its marker's digest" in got["url"]
