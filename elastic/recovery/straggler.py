@@ -42,7 +42,7 @@ SLOTS = ("compute_s", "wait_s", "node")  # each rank's slots in the agreement ve
 MIN_NODES_TO_NAME = 3
 ENV = "ELASTIC_STRAGGLER"  # "X,K" turns the policy on; unset/"off": detection only
 MIN_NODES_ENV = "ELASTIC_STRAGGLER_MIN_NODES"  # never drop below this many nodes
-HANG_ENV = "ELASTIC_HANG"  # "FLOOR_S,MULTIPLE" or "off"
+HANG_ENV = "ELASTIC_HANG"  # "FLOOR_S,MULTIPLE", "on" (60,10) or "off" (the default)
 DEFAULT_RATIO = 2.0
 DEFAULT_STEPS = 5
 DEFAULT_WINDOW_S = 60.0
@@ -186,17 +186,22 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
 
 
 def hang_from_env(environ: Mapping[str, str] | None = None) -> tuple[float, float] | None:
-    """``$ELASTIC_HANG``: ``FLOOR_S,MULTIPLE`` (default 60,10), or ``off`` (None).
+    """``$ELASTIC_HANG``: ``FLOOR_S,MULTIPLE``, ``on`` (60,10), or unset/``off`` (None).
+
+    Off by default: a rank that spends longer than the bound between two steps without a
+    collective on purpose (an evaluation pass inside the loop, a save of the user's own)
+    cannot be told apart from a stuck one by the rank itself, and every rank doing it
+    would exit.
 
     Raises:
         ConfigError: a value that is not of that form.
     """
     environ = os.environ if environ is None else environ
     raw = environ.get(HANG_ENV)
-    if raw is None:
-        return DEFAULT_HANG_FLOOR_S, DEFAULT_HANG_MULTIPLE
-    if raw.strip().lower() in _OFF:
+    if raw is None or raw.strip().lower() in _OFF:
         return None
+    if raw.strip().lower() == "on":
+        return DEFAULT_HANG_FLOOR_S, DEFAULT_HANG_MULTIPLE
     parts = raw.split(",")
     if len(parts) != 2:
         raise ConfigError(f"${HANG_ENV}={raw!r} is not 'FLOOR_S,MULTIPLE' (e.g. '60,10') or 'off'.")

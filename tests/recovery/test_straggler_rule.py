@@ -130,7 +130,8 @@ def test_bad_options_say_what_to_write(raw: str) -> None:
 
 
 def test_hang_from_env() -> None:
-    assert straggler.hang_from_env({}) == (60.0, 10.0)
+    assert straggler.hang_from_env({}) is None
+    assert straggler.hang_from_env({"ELASTIC_HANG": "on"}) == (60.0, 10.0)
     assert straggler.hang_from_env({"ELASTIC_HANG": "off"}) is None
     assert straggler.hang_from_env({"ELASTIC_HANG": "2,5"}) == (2.0, 5.0)
     with pytest.raises(ConfigError):
