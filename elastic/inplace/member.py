@@ -68,6 +68,11 @@ class Member:
     def round(self) -> int:
         return self.assignment.round if self.assignment is not None else -1
 
+    def newer_round_formed(self) -> bool:
+        """Whether the agent formed a round newer than ours (its workers may not be ready)."""
+        a = self.watcher.newest
+        return a is not None and a.formed_after(self.round)
+
     def switch_vote(self) -> int:
         """This rank's vote on moving to a newer round at this step boundary (a join: the
         survivors train on in the old group until the joiner's process reaches ``Run``):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic import events
-from elastic.errors import RecoveryError
+from elastic.errors import CheckpointError, RecoveryError
 from elastic.inplace import groups
 from elastic.inplace.channel import Assignment
 from elastic.inplace.member import BROKEN, NOT_YET, READY, Member
@@ -152,6 +152,18 @@ class InPlaceGroup:
         )
         run._jit.restart_clock()
 
+    def newer_round(self, refused: bool = False) -> bool:
+        """At the job's end: whether a rank's agent formed a newer round (a join whose
+        worker is not ready yet), or, after a refused final save (``refused``), rank 0's
+        fence names a newer round than ours; one all-reduce. A failed agreement (a peer
+        was lost) says yes: the agents form the round that replaces it."""
+        assert self.member is not None
+        seen = self.member.newer_round_formed()
+        if refused and not seen and self.run.rank == 0:
+            seen = _fence_moved(self.run._fence)
+        flags = torch.tensor([float(seen)], dtype=torch.float64)
+        return not self.agree(flags) or bool(flags.item() > 0)
+
     def fall_back(self, exc: BaseException) -> None:
         logger.warning("The in-place re-form failed (%s); restarting from memory instead.", exc)
         events.emit("recovery.fallback", step=self.run.step, reason=str(exc)[:300], pid=os.getpid())
@@ -184,6 +196,20 @@ class InPlaceGroup:
     def close(self) -> None:
         if self.member is not None:
             self.member.close()
+
+
+def _fence_moved(fence: Any) -> bool:
+    """Whether ``fence`` (a :class:`~elastic.rendezvous.fence.RoundFence`) refuses our round:
+    a newer one is current in etcd. An unreachable etcd is not a newer round."""
+    if fence is None:
+        return False
+    try:
+        fence.check()
+    except CheckpointError:
+        return True
+    except Exception as exc:  # etcd does not answer: nothing says a round moved on
+        logger.warning("Cannot ask the commit fence whether a newer round formed: %s", exc)
+    return False
 
 
 __all__ = ["REFORM_ATTEMPTS", "InPlaceGroup"]

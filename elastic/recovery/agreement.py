@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from elastic.recovery.session import Run
 
 logger = logging.getLogger(__name__)
+END_REFORMS = 3  # re-forms at the job's end while newer rounds keep forming
 
 
 class Exit(enum.Enum):
@@ -128,6 +129,29 @@ class StepEnd:
         run._shutdown(Exit.STOPPED, persist=outcome.persist, code=code)
         return False  # not reached: _shutdown raised SystemExit
 
+    def end_in_newest_round(self, refused: bool = False) -> bool:
+        """The loop ran to its end: never end in a round that is no longer the job's (its
+        final checkpoint would be refused by the fence, and a joiner admitted to the newer
+        round would train the job's end again, alone). While the group agrees that a newer
+        round formed (:meth:`Group.newer_round`), wait (bounded by the re-form's join
+        timeout) until its ranks are ready, and re-form in place; True when it re-formed."""
+        run = self.run
+        if self._hang is not None:
+            self._hang.pause()  # the loop is over: waiting for a joiner is not a step
+        moved = False
+        for _ in range(END_REFORMS):
+            if not run._group.newer_round(refused and not moved):
+                break
+            logger.info(
+                "The job reached its end (step %d) in round %d, but a newer round formed; "
+                "re-forming in place before it ends.",
+                run.step,
+                run._round,
+            )
+            run._group.reform()
+            moved = True
+        return moved
+
     def _vote(self) -> Vote:
         run = self.run
         stop = self.stopping()
@@ -175,4 +199,4 @@ class StepEnd:
         )
 
 
-__all__ = ["Exit", "StepEnd"]
+__all__ = ["END_REFORMS", "Exit", "StepEnd"]

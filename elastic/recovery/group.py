@@ -67,6 +67,11 @@ class Group(Protocol):
     def reform(self) -> None:
         """Re-form the group in place (never on the restart path)."""
 
+    def newer_round(self, refused: bool = False) -> bool:
+        """At the job's end, agreed by the group: whether it must move to a newer round
+        before it ends (in place: a join formed one; ``refused``: the final save was
+        refused, and rank 0 asks the fence too). The restart path: never."""
+
     def rewind(self) -> None:
         """Undo what a failed step changed outside ``optimizer.step()`` (in place)."""
 
@@ -130,6 +135,9 @@ class RestartGroup:
 
     def reform(self) -> None:
         raise AssertionError("The restart path never re-forms in place.")
+
+    def newer_round(self, refused: bool = False) -> bool:
+        return False
 
     def rewind(self) -> None:
         return None

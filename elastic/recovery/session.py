@@ -46,7 +46,7 @@ from elastic.errors import RecoveryError
 from elastic.inplace import groups
 from elastic.procs import die_with_parent
 from elastic.recovery import group as paths
-from elastic.recovery.agreement import Exit, StepEnd
+from elastic.recovery.agreement import END_REFORMS, Exit, StepEnd
 from elastic.recovery.codec import to_json
 from elastic.recovery.jit import AUTO, Every, StepSnapshots
 from elastic.recovery.resume import Resumer
@@ -425,6 +425,8 @@ class Run:
         C++ threads must be joined while the interpreter is alive, or the exit can end in
         std::terminate), LEFT drops this process's group, which its peers go on without.
         """
+        if how is Exit.DONE and self._step_end.end_in_newest_round():
+            self._last_saved = -1  # a new group (a joiner saved nothing): the end is saved
         ours = self._store.owner == os.getpid()
         if how in (Exit.DONE, Exit.STOPPED) and not ours:
             self._jit.failed("the loop stopped")
@@ -435,9 +437,8 @@ class Run:
         self._jit.close()  # no failure-time snapshot from here on
         if self._checkpoints is not None and how is not Exit.FELL_BACK:
             final = how in (Exit.DONE, Exit.STOPPED) and persist
-            if final and self._last_saved != self.step and self.step > 0:
-                self._checkpoints.save(self.step, self._persist_state(), block=True)
-                self._last_saved = self.step
+            if final and self.step > 0:
+                self._save_final(at_end=how is Exit.DONE)
             self._checkpoints.close()
         self._signals.restore()
         if how in (Exit.DONE, Exit.STOPPED, Exit.CLOSED) and ours:  # nobody could use it
@@ -455,6 +456,21 @@ class Run:
             self._group.close()
         if code is not None:
             raise SystemExit(code) from cause
+
+    def _save_final(self, at_end: bool) -> None:
+        """Persist the last completed step unless it is committed already. At the job's
+        end (``at_end``), a save refused because a newer round formed meanwhile (a join)
+        re-forms into that round (:meth:`StepEnd.end_in_newest_round`) and saves again."""
+        self._checkpoints.wait()  # the save in flight may be this step's
+        for _ in range(END_REFORMS):
+            if self._checkpoints.last_good == self.step:
+                return
+            outcome = self._checkpoints.save(self.step, self._persist_state(), block=True)
+            self._last_saved = self.step
+            if outcome is None or outcome.ok or not at_end:
+                return
+            if not self._step_end.end_in_newest_round(refused=True):
+                return
 
 
 class _StopSignals:

@@ -12,6 +12,11 @@ changed a parameter (a half-applied step); ``--break-store=R`` cuts rank R off e
 round's store from its first re-form on (its in-place re-form fails: it restarts);
 ``--leave-at=R:S`` makes rank R's node leave (SIGTERM to its agent) inside step S, before
 the step's all-reduce: the others' step S fails and is redone without it.
+
+Constructed timing: ``--hold-at=S:FILE`` holds every rank before step S until FILE exists
+(the test lets the job go on once a join formed its round); ``$INPLACE_USER_START_AFTER``
+(a step) makes this worker wait, before it forms its group, until a rank of the job
+recorded that step (a joiner whose worker starts late: its round pends meanwhile).
 """
 
 import argparse
@@ -56,11 +61,14 @@ def main() -> None:
     p.add_argument("--break-store", type=int, default=None, metavar="RANK")
     p.add_argument("--leave-at", default=None, metavar="RANK:STEP")
     p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--hold-at", default=None, metavar="STEP:FILE")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     distributed = "WORLD_SIZE" in os.environ
+    if os.environ.get("INPLACE_USER_START_AFTER"):
+        _start_after(out, int(os.environ["INPLACE_USER_START_AFTER"]))
     if distributed:
         elastic.init_process_group()
     torch.manual_seed(0)
@@ -87,6 +95,7 @@ def main() -> None:
     if args.break_store is not None and run.rank == args.break_store:
         _break_store(out)
     leave = tuple(map(int, args.leave_at.split(":"))) if args.leave_at else None
+    hold_step, _, hold_file = (args.hold_at or "-1:").partition(":")
     with open(out / "steps.jsonl", "a", buffering=1) as log:
         for _epoch in run.epochs(args.epochs):
             for x, y, idx in run.batches(loader):
@@ -98,6 +107,8 @@ def main() -> None:
                     "pid": os.getpid(),
                     "idx": idx.tolist(),
                 }
+                if run.step == int(hold_step):
+                    _wait_for(lambda: Path(hold_file).exists(), 120)
                 if leave is not None and (run.rank, run.step) == leave:
                     _leave_now(run, out)
                 optimizer.zero_grad()
@@ -111,6 +122,25 @@ def main() -> None:
         torch.save(net.state_dict(), out / "final.pt")
     if distributed:
         dist.destroy_process_group()
+
+
+def _wait_for(done, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _start_after(out: Path, step: int) -> None:
+    """Wait (at most 120 s) until a rank of the job recorded ``step``."""
+
+    def recorded() -> bool:
+        try:
+            lines = (out / "steps.jsonl").read_text().splitlines()
+        except OSError:
+            return False
+        return any(json.loads(line)["step"] >= step for line in lines if line.strip())
+
+    _wait_for(recorded, 120)
 
 
 def _fail_in_step(optimizer, net, run, out: Path, rank: int, step: int) -> None:
