@@ -67,9 +67,9 @@ KINDS: Mapping[str, str] = MappingProxyType(
         # elastic.recovery.timing, elastic.recovery.hang (slow and stuck ranks)
         "straggler.detected": "rank 0: a node ran slower than threshold times the median for "
         "steps consecutive steps: step, node, ranks, rank (its first), ratio, steps, "
-        "threshold, policy (whether it is dropped)",
+        "threshold, policy (whether it is dropped), median_s (the ranks' median compute time)",
         "straggler.dropped": "rank 0: the straggler policy drops a node in place (its agent "
-        "leaves the job): step, node, ranks, ratio, reason",
+        "leaves the job): step, node, ranks, ratio, reason, median_s",
         "worker.hang": "a rank stayed inside a step past the hang bound without reaching its "
         "collectives; it exits so that the group goes on: rank, step, pid, seconds, bound_s",
         "worker.stacks": "the Python stacks of every thread of a stuck worker "

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import time
 import zlib
 from collections import deque
@@ -107,6 +108,7 @@ class StepTimes:
                     steps=slow.steps,
                     threshold=self.options.ratio,
                     policy=self.options.drop,
+                    median_s=round(statistics.median(view.compute), 6),
                 )
             if decision.drop is not None:
                 events.emit(
@@ -116,6 +118,7 @@ class StepTimes:
                     ranks=list(decision.drop.ranks),
                     ratio=decision.drop.ratio,
                     reason=decision.reason,
+                    median_s=round(statistics.median(view.compute), 6),  # a probe's target
                 )
         drop = decision.drop
         if drop is not None and self.run.rank == min(drop.ranks) and not self._left:

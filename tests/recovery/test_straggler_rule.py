@@ -206,3 +206,49 @@ def test_metrics_show_every_ranks_times_and_the_counts(tmp_path: Path) -> None:
     assert samples[("elastic_rank_wait_seconds", (("rank", "1"),))] == pytest.approx(0.2)
     assert samples[("elastic_stragglers_detected_total", ())] == 1
     assert samples[("elastic_workers_hung_total", ())] == 1
+
+
+class _Guard:
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def in_flight_since(self) -> float | None:
+        return self.since
+
+
+def test_hang_watch_names_only_a_rank_with_no_collective_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the bound with a collective in flight: a peer is late, not us; without one: we
+    are stuck; the stacks and the hang go to the event log, then the process exits."""
+    from elastic import events
+    from elastic.recovery.hang import HangWatch
+
+    monkeypatch.setenv("ELASTIC_HANG", "2,5")
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    guard, exits = _Guard(), list[int]()
+    watch = HangWatch(guard, lambda: (0.1, 0.1), lambda: (3, 17), exit=exits.append)
+    assert watch.bound() == 2.0
+    watch._step_began = 100.0  # (resume() would start the thread)
+    assert watch.stuck_for(101.0) is None  # inside the bound
+    guard.since = 100.5
+    assert watch.stuck_for(103.0) is None  # waiting in a collective: a peer is late
+    guard.since = None
+    assert watch.stuck_for(103.0) == 3.0
+    watch.pause()
+    assert watch.stuck_for(200.0) is None  # at the boundary
+    watch.give_up(3.0)
+    assert exits == [1]
+    stacks = events.read(tmp_path / "events.jsonl", "worker.stacks")[0]
+    assert "test_hang_watch_names_only" in stacks["stacks"] and stacks["rank"] == 3
+    hang = events.read(tmp_path / "events.jsonl", "worker.hang")[0]
+    assert (hang["rank"], hang["step"], hang["seconds"], hang["bound_s"]) == (3, 17, 3.0, 2.0)
+
+
+def test_no_hang_watch_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.recovery.hang import HangWatch
+
+    monkeypatch.delenv("ELASTIC_HANG", raising=False)
+    watch = HangWatch(_Guard(), lambda: (), lambda: (0, 0))
+    watch.resume()
+    assert watch.limits is None and watch._thread is None
