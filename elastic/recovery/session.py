@@ -459,17 +459,17 @@ class Run:
 
     def _save_final(self, at_end: bool) -> None:
         """Persist the last completed step unless it is committed already. At the job's
-        end (``at_end``), a save refused because a newer round formed meanwhile (a join)
-        re-forms into that round (:meth:`StepEnd.end_in_newest_round`) and saves again."""
+        end (``at_end``), when a newer round formed meanwhile (a join; it made the fence
+        refuse the save, or it formed during the save) the group re-forms into it
+        (:meth:`StepEnd.end_in_newest_round`) and ends there, the joiner with it."""
         self._checkpoints.wait()  # the save in flight may be this step's
         for _ in range(END_REFORMS):
-            if self._checkpoints.last_good == self.step:
-                return
-            outcome = self._checkpoints.save(self.step, self._persist_state(), block=True)
-            self._last_saved = self.step
-            if outcome is None or outcome.ok or not at_end:
-                return
-            if not self._step_end.end_in_newest_round(refused=True):
+            refused = False
+            if self._checkpoints.last_good != self.step:
+                outcome = self._checkpoints.save(self.step, self._persist_state(), block=True)
+                self._last_saved = self.step
+                refused = outcome is not None and not outcome.ok
+            if not at_end or not self._step_end.end_in_newest_round(refused=refused):
                 return
 
 
