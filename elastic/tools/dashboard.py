@@ -297,6 +297,8 @@ class Dashboard:
             if step
             else None
         )
+        if step and "slowest" in step:  # the slowest ranks (elastic.recovery.timing)
+            out["step"]["slowest"] = step["slowest"]
         out["checkpoint"] = {
             "saved_step": saved.get("step") if saved else None,
             "saved_url": saved.get("url") if saved else None,
@@ -365,6 +367,8 @@ PAGE = """<!doctype html>
  <div class="card"><div class="label">step</div><div class="value" id="step">-</div></div>
  <div class="card"><div class="label">loss</div><div class="value" id="loss">-</div></div>
  <div class="card"><div class="label">samples/s</div><div class="value" id="rate">-</div></div>
+ <div class="card"><div class="label">slowest rank (to the median)</div>
+  <div class="value" id="slowest">-</div></div>
  <div class="card"><div class="label">newest checkpoint</div>
   <div class="value" id="checkpoint">-</div></div>
 </div>
@@ -387,6 +391,8 @@ function render(s) {
   $("step").textContent = fmt(st.step);
   $("loss").textContent = fmt(st.loss, 4);
   $("rate").textContent = fmt(st.samples_per_s, 1);
+  const slow = (st.slowest || [])[0];
+  $("slowest").textContent = slow ? "rank " + slow[0] + " " + fmt(slow[1], 2) + "x" : "-";
   const c = s.checkpoint || {};
   const steps = [c.newest_complete_step, c.saved_step].filter((v) => typeof v === "number");
   $("checkpoint").textContent = steps.length ? "step " + Math.max(...steps) : "none";
