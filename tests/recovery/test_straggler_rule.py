@@ -252,3 +252,55 @@ def test_no_hang_watch_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     watch = HangWatch(_Guard(), lambda: (), lambda: (0, 0))
     watch.resume()
     assert watch.limits is None and watch._thread is None
+
+
+class _Waits:
+    def __init__(self) -> None:
+        self.total = 0.0
+
+    def waited(self) -> float:
+        return self.total
+
+
+def test_step_times_measure_and_drop_by_the_agents_planned_leave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's compute is its step less the guard's wait; rank 0 records the detection;
+    the lowest rank of the dropped node sends SIGTERM to its agent (a planned leave)."""
+    import signal
+    from types import SimpleNamespace
+
+    from elastic import events
+    from elastic.recovery import timing
+    from elastic.recovery.boundary import Tally
+
+    monkeypatch.setenv("ELASTIC_STRAGGLER", "2,2")
+    monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", "4242")
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(timing.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    guard = _Waits()
+    run = SimpleNamespace(_group=SimpleNamespace(guard=guard), reforms=0, step=0, rank=0)
+    times = timing.StepTimes(run)  # type: ignore[arg-type]
+    assert times.slots()["compute_s"] == 0.0  # the first step is not measured
+    guard.total = 0.5
+    slots = times.slots()
+    assert slots["wait_s"] == pytest.approx(0.5) and slots["compute_s"] == 1e-6  # clamped
+    run.reforms = 1
+    assert times.slots()["compute_s"] == 0.0  # a re-form in between: not measured
+
+    slow = ((1.0, 0.0, 7.0), (1.0, 0.0, 8.0), (3.0, 0.0, float(times.node)))
+    for step in (1, 2):
+        run.step = step
+        times.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
+    assert events.read(tmp_path / "events.jsonl", "straggler.detected")[0]["ranks"] == [2]
+    assert events.read(tmp_path / "events.jsonl", "straggler.dropped")[0]["median_s"] == 1.0
+    assert killed == []  # rank 0 is not on the dropped node
+    assert times.fields()["slowest"][0] == [2, 3.0]
+
+    run.rank = 2  # the dropped node's lowest rank: its agent leaves
+    times2 = timing.StepTimes(run)  # type: ignore[arg-type]
+    for step in (1, 2):
+        run.step = step
+        times2.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
+    assert killed == [(4242, signal.SIGTERM)]
