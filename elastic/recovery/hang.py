@@ -12,8 +12,9 @@ of :class:`HangWatch` then
 1. dumps every thread's Python stack (:mod:`faulthandler`) into the event log (event
    ``worker.stacks``) and names itself (event ``worker.hang``: rank, step, seconds, bound);
 2. ends its process (exit :data:`elastic.reform.FAILED`), as the agent ends a frozen
-   worker: its peers' collectives fail at once, they re-form in place without it, and its
-   agent starts it again, to rejoin from their state.
+   worker: its peers' collectives fail at once, they re-form in place, and its agent
+   starts it again (a failure: it spends one of the job's restarts, so a hang that comes
+   back every time ends the job), to rejoin from their state.
 
 It runs on the in-place path only, where the step guard sees this rank's collectives (on
 the restart path a peer waiting inside DDP's all-reduce would look stuck too). A worker
