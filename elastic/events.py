@@ -62,6 +62,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "them: round, world_size, change, seconds",
         "recovery.resume": "a rank resumed: step, source (memory: its node's snapshot, peer: "
         "streamed from a holder, storage, fresh), seconds, bytes received, held, persisted",
+        "job.finished": "an agent whose workers had not joined yet found the job finished "
+        "(its rendezvous closed): they stop and it exits 0: run_id",
         "job.stopped": "rank 0: every rank was asked to stop after a step, so the job's loop "
         "ends (elastic.recovery.agreement): step, reason",
         # elastic.recovery.timing, elastic.recovery.hang (slow and stuck ranks)

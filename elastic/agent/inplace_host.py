@@ -129,6 +129,29 @@ class InPlaceHost:
                 return False
         return True
 
+    def ended_before_round(self, worker_group: WorkerGroup) -> bool:
+        """Whether every local worker registered last for a round older than the one this
+        node joined last: they ended before a round that formed as the job finished (a
+        join), so its other agents would wait for ours at torch's exit barrier in vain."""
+        current = self.joined_round()
+        regs = [
+            channel.read_registration(self.channel_of(w.local_rank)) for w in worker_group.workers
+        ]
+        return bool(regs) and all(r is not None and r.round < current for r in regs)
+
+    def finished_before_join(self, worker_group: WorkerGroup) -> bool:
+        """Whether the job finished before this node's workers joined it: each registered
+        in place and none has formed a round yet, and the rendezvous is closed (one etcd
+        read, only while they join)."""
+        for w in worker_group.workers:
+            reg = channel.read_registration(self.channel_of(w.local_rank))
+            if reg is None or reg.round >= 0:
+                return False
+        try:
+            return bool(worker_group.workers) and self._handler.is_closed()
+        except Exception:  # etcd does not answer: nothing says the job finished
+            return False
+
     def any_waiting(self, worker_group: WorkerGroup) -> bool:
         """Whether a local worker waits for a new round (its step failed on a lost peer)."""
         return any(r.waiting for r in self.registrations(worker_group))

@@ -228,6 +228,8 @@ class NodeAgent(LocalElasticAgent):
         if handler is None:
             return result
         if result.state == WorkerState.HEALTHY:
+            if self._host is not None and self._host.finished_before_join(worker_group):
+                return self._finished_before_join(worker_group, handler)
             self._end_frozen_workers(handler)
             if self._host is not None:
                 self._host.ask_for_round_if_wanted(worker_group)
@@ -244,6 +246,33 @@ class NodeAgent(LocalElasticAgent):
         metrics.on_change("failure")
         self._spend_job_restart(handler)
         return result
+
+    def _finished_before_join(
+        self, worker_group: WorkerGroup, handler: MembershipHandler
+    ) -> RunResult:
+        """The job finished before our workers joined it: stop them, and end with 0."""
+        logger.warning(
+            "The job finished before this node's workers joined it; nothing is left to "
+            "train, so they stop and this node exits."
+        )
+        events.emit("job.finished", run_id=handler.get_run_id())
+        self._stop_workers(worker_group)
+        values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
+    def _exit_barrier(self) -> None:
+        """torch's wait (up to 300 s) for every agent of the round to finish, unless our
+        workers ended in an older round than this node joined last: a join formed as the
+        job finished, and the joiner's agent would not reach the barrier in time."""
+        host = self._host
+        if host is not None and host.ended_before_round(self._worker_group):
+            logger.warning(
+                "Our workers ended before round %d formed (a join as the job finished); "
+                "not waiting for its other agents at the exit barrier.",
+                host.joined_round(),
+            )
+            return
+        super()._exit_barrier()
 
     def _collect_script_exits(self) -> None:
         """Hand torch the (None) return value of each forked script that ended with 0.

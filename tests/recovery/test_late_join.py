@@ -59,3 +59,32 @@ def test_a_join_pending_at_the_last_step_ends_the_job_once(
     loads = [e for e in cluster.events("ckpt.load") if e["step"] < TOTAL]
     assert not loads, f"a worker resumed from an older checkpoint: {loads}"
     print(f"every agent exited {exit_s:.1f} s after the final model")
+
+
+@pytest.mark.timeout(420)
+def test_a_join_after_the_job_finished_trains_nothing(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The joiner's round forms after the group's last look at the end (its workers are
+    done but alive): the old agents do not wait out torch's 300 s exit barrier for it, and
+    the joiner's agent stops its worker and exits 0, saying the job finished."""
+    out = tmp_path / "out"
+    worker = [str(SCRIPT), f"--epochs={EPOCHS}", f"--samples={SAMPLES}"]
+    worker += [f"--global-batch={BATCH}", f"--out={out}", f"--ckpt={tmp_path / 'ckpt'}"]
+    worker += ["--ckpt-every=4"]
+    linger = {"INPLACE_USER_LINGER": "120"}  # until the test says go-home
+    a = cluster.start("a", worker=worker, extra_env=linger)
+    b = cluster.start("b", worker=worker, extra_env=linger)
+    cluster.wait_for(lambda: (out / "final.pt").exists(), "the final model", 240)
+    c = cluster.start("c", worker=worker)
+    joined = lambda: [e for e in cluster.events("rdzv.inplace") if e["world_size"] == 3]  # noqa: E731
+    cluster.wait_for(lambda: len(joined()) >= 2, "a and b in the joiner's round", 240)
+    (out / "go-home").touch()
+    ended = time.monotonic()
+    for node in (a, b, c):
+        assert node.wait(EXIT_BOUND_S) == 0, cluster.logs()
+    exit_s = time.monotonic() - ended
+    steps = [e["step"] for e in cluster.steps()]
+    assert steps == list(range(1, TOTAL + 1)), f"steps reported (a step twice?): {steps}"
+    assert cluster.events("job.finished"), "the joiner did not say the job finished"
+    print(f"every agent exited {exit_s:.1f} s after the workers were let go")

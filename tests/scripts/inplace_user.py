@@ -16,7 +16,9 @@ the step's all-reduce: the others' step S fails and is redone without it.
 Constructed timing: ``--hold-at=S:FILE`` holds every rank before step S until FILE exists
 (the test lets the job go on once a join formed its round); ``$INPLACE_USER_START_AFTER``
 (a step) makes this worker wait, before it forms its group, until a rank of the job
-recorded that step (a joiner whose worker starts late: its round pends meanwhile).
+recorded that step (a joiner whose worker starts late: its round pends meanwhile);
+``$INPLACE_USER_LINGER`` (seconds) keeps the process alive that long after its loop ended
+(a join then forms a round with workers that have finished).
 """
 
 import argparse
@@ -122,6 +124,8 @@ def main() -> None:
         torch.save(net.state_dict(), out / "final.pt")
     if distributed:
         dist.destroy_process_group()
+    linger = float(os.environ.get("INPLACE_USER_LINGER", "0"))
+    _wait_for(lambda: (out / "go-home").exists(), linger)
 
 
 def _wait_for(done, timeout: float) -> None:
