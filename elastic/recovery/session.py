@@ -425,8 +425,8 @@ class Run:
         C++ threads must be joined while the interpreter is alive, or the exit can end in
         std::terminate), LEFT drops this process's group, which its peers go on without.
         """
-        if how is Exit.DONE and self._step_end.end_in_newest_round():
-            self._last_saved = -1  # a new group (a joiner saved nothing): the end is saved
+        if how is Exit.DONE:  # never end in a round that a join left behind
+            self._step_end.end_in_newest_round()
         ours = self._store.owner == os.getpid()
         if how in (Exit.DONE, Exit.STOPPED) and not ours:
             self._jit.failed("the loop stopped")

@@ -75,8 +75,7 @@ class World:
 
 def _end(world: World) -> Any:
     run = world.make_run()
-    if run._step_end.end_in_newest_round():
-        run._last_saved = -1
+    run._step_end.end_in_newest_round()
     Run._save_final(run, at_end=True)
     return run
 
