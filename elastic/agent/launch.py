@@ -90,6 +90,8 @@ def _main(argv: list[str]) -> int:
         config, cmd, cmd_args = config_from_args(args)
     except (AssertionError, ValueError) as exc:  # torchrun's checks of --nnodes and friends
         return _fail(f"{exc}; check the command-line options.", reform.USAGE)
+    # the straggler policy never drops the job below --nnodes MIN (elastic.recovery.straggler)
+    os.environ.setdefault("ELASTIC_STRAGGLER_MIN_NODES", str(config.min_nodes))
     entrypoint, cmd_args = _warm_entrypoint(args, config, cmd, cmd_args)
     exporter = None if port is None else _start_metrics(port, config)
     try:
