@@ -43,10 +43,10 @@ from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
 from elastic import env, reform, runid
 from elastic.errors import RecoveryError
-from elastic.inplace import groups
 from elastic.procs import die_with_parent
+from elastic.recovery import ending
 from elastic.recovery import group as paths
-from elastic.recovery.agreement import END_REFORMS, Exit, StepEnd
+from elastic.recovery.agreement import Exit, StepEnd
 from elastic.recovery.codec import to_json
 from elastic.recovery.jit import AUTO, Every, StepSnapshots
 from elastic.recovery.resume import Resumer
@@ -408,7 +408,7 @@ class Run:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "extra": to_json(self._extra())}
 
-    # -- the one way out --------------------------------------------------------------------
+    # -- the one way out (elastic.recovery.ending) -----------------------------------------
 
     def _shutdown(
         self,
@@ -417,60 +417,12 @@ class Run:
         code: int | None = None,
         cause: BaseException | None = None,
     ) -> None:
-        """End the run ``how`` says; with ``code``, exit the process with it.
-
-        DONE and STOPPED write the last completed step to memory when this node's agent
-        keeps it (a restart may use it) and persist it (``persist``); FELL_BACK writes it
-        to memory only; LEFT and CLOSED write nothing. STOPPED destroys the groups (their
-        C++ threads must be joined while the interpreter is alive, or the exit can end in
-        std::terminate), LEFT drops this process's group, which its peers go on without.
-        """
-        if how is Exit.DONE:  # never end in a round that a join left behind
-            self._step_end.end_in_newest_round()
-        ours = self._store.owner == os.getpid()
-        if how in (Exit.DONE, Exit.STOPPED) and not ours:
-            self._jit.failed("the loop stopped")
-        elif how is Exit.FELL_BACK:
-            self._jit.failed("the in-place re-form failed")
-        if how is not Exit.FELL_BACK:  # (failed() waited; a second wait could raise)
-            self._jit.wait()
-        self._jit.close()  # no failure-time snapshot from here on
-        if self._checkpoints is not None and how is not Exit.FELL_BACK:
-            final = how in (Exit.DONE, Exit.STOPPED) and persist
-            if final and self.step > 0:
-                self._save_final(at_end=how is Exit.DONE)
-            self._checkpoints.close()
-        self._signals.restore()
-        if how in (Exit.DONE, Exit.STOPPED, Exit.CLOSED) and ours:  # nobody could use it
-            self._store.remove()
-        if how is not Exit.DONE:
-            self._store.close()
-        if how in (Exit.LEFT, Exit.FELL_BACK):
-            self._group.close()
-        if how is Exit.LEFT:
-            groups.drop_world()
-        if how is Exit.STOPPED and self.distributed and dist.is_initialized():
-            if self._group.control is not None:
-                dist.barrier(group=self._group.control)
-            dist.destroy_process_group()
-            self._group.close()
-        if code is not None:
-            raise SystemExit(code) from cause
+        """End the run ``how`` says (:func:`elastic.recovery.ending.shutdown`)."""
+        ending.shutdown(self, how, persist=persist, code=code, cause=cause)
 
     def _save_final(self, at_end: bool) -> None:
-        """Persist the last completed step unless it is committed already. At the job's
-        end (``at_end``), when a newer round formed meanwhile (a join; it made the fence
-        refuse the save, or it formed during the save) the group re-forms into it
-        (:meth:`StepEnd.end_in_newest_round`) and ends there, the joiner with it."""
-        self._checkpoints.wait()  # the save in flight may be this step's
-        for _ in range(END_REFORMS):
-            refused = False
-            if self._checkpoints.last_good != self.step:
-                outcome = self._checkpoints.save(self.step, self._persist_state(), block=True)
-                self._last_saved = self.step
-                refused = outcome is not None and not outcome.ok
-            if not at_end or not self._step_end.end_in_newest_round(refused=refused):
-                return
+        """Persist the last completed step (:func:`elastic.recovery.ending.save_final`)."""
+        ending.save_final(self, at_end)
 
 
 class _StopSignals:
