@@ -16,14 +16,15 @@ merely found free and closed again was lost that way once in torch's agent tests
 0's agent still cannot host it, its worker hosts the store as before; the other ranks are
 clients either way.
 
-Who can reach it. torch's TCPStore listens on every interface (``*:port``) and has no
-authentication and no bound on what a client stores (torch 2.14: no bind address, no size
-limit among its options). The agent therefore binds the listening socket itself, to the
-address the node announced (``--local-addr``, else its FQDN), and hands it to torch
-(``master_listen_fd``): the store is then reachable only through that address, not through
-the node's other interfaces. Anyone who can reach that address can still write any key of
-any size into it while the round runs: keep the nodes' network to the job (a firewall or
-network policy), as for torch's own stores.
+Who can reach it. The agent binds the listening socket itself, to the address the node
+announced (``--local-addr``, else its FQDN): the store is reachable only through that
+address, not through the node's other interfaces. torch's TCPStore server has no
+authentication and no bound on what a client stores, so the agent serves the store with its
+own server of torch's protocol, :mod:`elastic.rendezvous.boundstore`, which bounds keys,
+bytes and connections (``ELASTIC_BOUNDED_STORE=0``: torch's server, handed the socket through
+``master_listen_fd``, unbounded). Anyone who can reach that address can still read and
+write keys within the bounds while the round runs: keep the nodes' network to the job (a
+firewall or network policy), as for torch's own stores.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from elastic import env
+from elastic.rendezvous.boundstore import BoundedStore
+
 logger = logging.getLogger(__name__)
 
 WAIT_S = 2.0  # how long a non-zero rank's agent waits for rank 0's store to listen
@@ -47,7 +51,7 @@ class BootstrapStore:
 
     def __init__(self, timeout: timedelta = timedelta(minutes=5)) -> None:
         self._timeout = timeout
-        self._server: TCPStore | None = None
+        self._server: TCPStore | BoundedStore | None = None
         self._reserved: socket.socket | None = None
 
     @property
@@ -90,7 +94,10 @@ class BootstrapStore:
 
     def close(self) -> None:
         """Stop hosting (the round's workers are gone) and release a held port."""
-        self._server = None  # the server stops with its last reference
+        server, self._server = self._server, None
+        if isinstance(server, BoundedStore):
+            server.close()
+        # torch's server stops with its last reference
         self._release()
 
     def _release(self) -> None:
@@ -143,8 +150,9 @@ def _loopback_name(addr: str) -> bool:
 
 def _host(
     addr: str, port: int, timeout: timedelta, sock: socket.socket | None = None
-) -> TCPStore | None:
-    """A TCPStore on ``sock`` (the held port), else on a socket bound to ``addr:port`` now."""
+) -> TCPStore | BoundedStore | None:
+    """The store on ``sock`` (the held port), else on a socket bound to ``addr:port`` now:
+    the bounded server, or torch's with ``ELASTIC_BOUNDED_STORE=0``."""
     try:
         sock = sock or listen_on(addr, port)
     except OSError as exc:
@@ -155,6 +163,17 @@ def _host(
             exc,
         )
         return None
+    if env.flag(env.BOUNDED_STORE):
+        try:
+            return BoundedStore(sock)
+        except OSError as exc:
+            sock.close()
+            logger.warning(
+                "Could not host the bootstrap store on port %d (%s); rank 0's worker hosts it.",
+                port,
+                exc,
+            )
+            return None
     try:
         server = TCPStore(
             addr,
