@@ -331,7 +331,7 @@ def test_stored_bytes_stop_at_the_bound_and_memory_with_them(server: Server) -> 
     after = server.rss()
     print(f"64 MiB bound: {stored} values kept, RSS {before / MiB:.1f} -> {after / MiB:.1f} MiB")
     assert 60 <= stored < 64
-    assert after - before < 100 * MiB
+    assert after - before < 80 * MiB  # 63 MiB kept: measured +67 MiB
     assert server.client().get("v0") == b"x" * MiB
 
 
@@ -405,3 +405,41 @@ def test_a_gloo_group_of_three_forms_through_it(server: Server, tmp_path: Path) 
     print("gloo through the bounded store: keys, largest value, total bytes:", result[2:])
     assert float(result[1]) == 12.0  # (1+2+3), then ranks 0 and 1 summed again: 6 + 6
     assert not server.warnings()
+
+
+def _own_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_agents_bootstrap_store_keeps_its_size_under_the_flood(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the agent hosts it (``BootstrapStore``, a thread of this process): the same flood
+    grows this process by less than 8 MiB (torch's server: more than 300 MB)."""
+    from elastic.rendezvous.bootstrap import BootstrapStore
+
+    monkeypatch.delenv("ELASTIC_BOUNDED_STORE", raising=False)
+    boot = BootstrapStore()
+    port = boot.reserve("127.0.0.1")
+    boot.start_round(0, "127.0.0.1", port)
+    try:
+        before = _own_rss()
+        payload = b"\0" * (8 * 1000 * 1000)
+        for i in range(60):
+            sock = _raw(port)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(_set(b"flood%d" % i, len(payload)) + payload)
+            sock.close()
+        del payload
+        after = _own_rss()
+        print(f"agent-hosted flood: RSS {before / MiB:.1f} -> {after / MiB:.1f} MiB")
+        assert after - before < 8 * MiB
+        sock = _raw(port)
+        sock.sendall(struct.pack("<B", Query.GETNUMKEYS))
+        assert struct.unpack("<q", sock.recv(8))[0] == 0
+        sock.close()
+    finally:
+        boot.close()
