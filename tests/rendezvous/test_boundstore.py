@@ -443,3 +443,25 @@ def test_the_agents_bootstrap_store_keeps_its_size_under_the_flood(
         sock.close()
     finally:
         boot.close()
+
+
+def test_pipelined_requests_and_a_client_that_never_reads(server: Server) -> None:
+    """20,000 pings in one send are answered in order; a client that asks for a 1 MiB value
+    2,000 times and reads nothing is no longer read from (its answers wait in the kernel),
+    so the store holds about one answer for it and serves everyone else."""
+    server.client().set("k", b"x" * MiB)
+    sock = _raw(server.port)
+    sock.sendall(b"".join(struct.pack("<BI", Query.PING, i) for i in range(20000)))
+    got = b""
+    while len(got) < 80000:
+        got += sock.recv(80000 - len(got))
+    assert struct.unpack("<20000I", got) == tuple(range(20000))
+    before = server.rss()
+    slow = _raw(server.port)
+    slow.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(2000):
+            slow.send(struct.pack("<BQ", Query.GET, 1) + b"k")
+    assert server.client().get("k") == b"x" * MiB  # answered after the slow client's asks
+    assert server.rss() - before < 16 * MiB
+    slow.close()
