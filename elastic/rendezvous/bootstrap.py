@@ -19,12 +19,12 @@ clients either way.
 Who can reach it. The agent binds the listening socket itself, to the address the node
 announced (``--local-addr``, else its FQDN): the store is reachable only through that
 address, not through the node's other interfaces. torch's TCPStore server has no
-authentication and no bound on what a client stores, so the agent serves the store with its
-own server of torch's protocol, :mod:`elastic.rendezvous.boundstore`, which bounds keys,
-bytes and connections (``ELASTIC_BOUNDED_STORE=0``: torch's server, handed the socket through
-``master_listen_fd``, unbounded). Anyone who can reach that address can still read and
-write keys within the bounds while the round runs: keep the nodes' network to the job (a
-firewall or network policy), as for torch's own stores.
+authentication and no bound on what a client stores; with ``ELASTIC_BOUNDED_STORE=1`` the
+agent serves the store with its own server of torch's protocol,
+:mod:`elastic.rendezvous.boundstore`, which bounds keys, bytes and connections (by default:
+torch's server, handed the socket through ``master_listen_fd``, unbounded). Anyone who can
+reach that address can still read and write keys (within the bounds) while the round runs:
+keep the nodes' network to the job (a firewall or network policy), as for torch's own stores.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def _host(
     addr: str, port: int, timeout: timedelta, sock: socket.socket | None = None
 ) -> TCPStore | BoundedStore | None:
     """The store on ``sock`` (the held port), else on a socket bound to ``addr:port`` now:
-    the bounded server, or torch's with ``ELASTIC_BOUNDED_STORE=0``."""
+    torch's, or the bounded server with ``ELASTIC_BOUNDED_STORE=1``."""
     try:
         sock = sock or listen_on(addr, port)
     except OSError as exc:
@@ -163,7 +163,7 @@ def _host(
             exc,
         )
         return None
-    if env.flag(env.BOUNDED_STORE):
+    if env.flag(env.BOUNDED_STORE, default=False):
         try:
             return BoundedStore(sock)
         except OSError as exc:

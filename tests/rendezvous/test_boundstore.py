@@ -421,7 +421,7 @@ def test_the_agents_bootstrap_store_keeps_its_size_under_the_flood(
     grows this process by less than 8 MiB (torch's server: more than 300 MB)."""
     from elastic.rendezvous.bootstrap import BootstrapStore
 
-    monkeypatch.delenv("ELASTIC_BOUNDED_STORE", raising=False)
+    monkeypatch.setenv("ELASTIC_BOUNDED_STORE", "1")
     boot = BootstrapStore()
     port = boot.reserve("127.0.0.1")
     boot.start_round(0, "127.0.0.1", port)
