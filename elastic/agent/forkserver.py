@@ -44,11 +44,13 @@ PRELOAD = [_INIT, "torch", "torch.distributed.checkpoint", "torchvision", WORKER
 # slow part of a fresh start); a joining node's worker forks as soon as this is done.
 SCRIPT_PRELOAD = [_INIT, "torch"]
 
-# Variables torch's agent sets in its own environment after the server started
-# (TORCHELASTIC_SIGNALS_TO_HANDLE, the inductor cache dir): read at run time, not by an
-# import; the worker still gets their values of the moment. (The user's environment cannot
-# change after the agent started: what changes is the agent's own doing.)
-_RUNTIME_ONLY = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
+# Variables the agent (torch's, or ours: the straggler policy's floor, set once the options
+# are parsed) sets in its own environment after the server started
+# (TORCHELASTIC_SIGNALS_TO_HANDLE, the inductor cache dir, ELASTIC_STRAGGLER_MIN_NODES): read
+# at run time, not by an import; the worker still gets their values of the moment. (The
+# user's environment cannot change after the agent started: what changes is the agent's own
+# doing.)
+_RUNTIME_ONLY = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR", "ELASTIC_STRAGGLER_MIN_NODES")
 
 _started = False
 _server_env: dict[str, str] = {}  # the agent's environment when the server started

@@ -50,7 +50,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import importlib.machinery
 import io
 import itertools
 import os
@@ -60,9 +59,7 @@ import signal
 import sys
 import threading
 import traceback
-import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from elastic import env
@@ -133,18 +130,9 @@ class PlainScript:
         if self.module:
             runpy._run_module_as_main(self.target, alter_argv=True)  # type: ignore[attr-defined]
             return
-        path = os.path.abspath(self.target)
-        code = compile(Path(path).read_bytes(), path, "exec")
-        main = types.ModuleType("__main__")
-        main.__dict__.update(
-            __file__=path,
-            __cached__=None,
-            __builtins__=__builtins__,
-            __loader__=importlib.machinery.SourceFileLoader("__main__", path),
-        )
-        sys.modules["__main__"] = main
-        sys.modules.pop("__mp_main__", None)
-        exec(code, main.__dict__)
+        from elastic.agent.run_script import exec_as_main
+
+        exec_as_main(os.path.abspath(self.target))
 
 
 def _install_tutorial_guard() -> None:

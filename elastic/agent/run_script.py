@@ -53,6 +53,12 @@ def main(argv: Sequence[str]) -> None:
     path = os.path.abspath(script)
     sys.argv[:] = argv
     sys.path[0] = os.path.dirname(os.path.realpath(script))
+    exec_as_main(path)
+
+
+def exec_as_main(path: str) -> None:
+    """Run the source file at ``path`` (absolute) as a fresh ``__main__``, as ``python PATH``
+    does: ``__file__`` set, ``__spec__`` None, no ``__mp_main__`` left from before."""
     code = compile(Path(path).read_bytes(), path, "exec")
     main_module = types.ModuleType("__main__")
     main_module.__dict__.update(
