@@ -66,6 +66,7 @@ class ChaosOptions:
     freeze_s: float = 8.0  # a compound freeze of a node (agent and workers)
     etcd_freeze_s: float = 4.0  # a compound freeze of etcd
     margin_s: float = 60.0  # compound: no fault starts when the job has less time left
+    compound_kinds: Sequence[str] | None = None  # compound: only these of its kinds; None: all
     say: Callable[[str], None] = field(default=lambda line: None)
 
 

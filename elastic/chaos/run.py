@@ -83,7 +83,11 @@ class Chaos:
         opts = self.opts
         if not opts.compound:
             return schedule(self.rng, opts, self.job.kinds)
-        kinds = compound_schedule(opts.compound)
+        kinds = [
+            k
+            for k in compound_schedule(opts.compound)
+            if opts.compound_kinds is None or k in opts.compound_kinds
+        ]
         return kinds, [opts.every_s] * len(kinds)
 
     def _start_reference(self) -> None:
