@@ -36,7 +36,9 @@ def test_compound_faults_on_the_in_place_path_keep_every_invariant(tmp_path: Pat
             # storage and reports a step at world 1), and etcd frozen 4 s in a save (every
             # lease of the fast-failover profile expires; no round formed again within
             # join_timeout). The longer command keeps all four; CI runs the first two.
-            compound_kinds=[k for k in COMPOUND if k not in ("kill_in_transfer", "etcd_freeze_in_save")],
+            compound_kinds=[
+                k for k in COMPOUND if k not in ("kill_in_transfer", "etcd_freeze_in_save")
+            ],
             say=lines.append,
         )
     )
