@@ -34,6 +34,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "node.lost": "peers of an agent's round are gone; it re-forms the group: nodes",
         "node.dead": "agents whose probe ports refuse connections were removed from the "
         "rendezvous without waiting for their heartbeats to expire: nodes",
+        "node.expired": "an agent's own etcd lease expired while it ran (etcd stalled, or the "
+        "agent too slow to renew it): its round goes on without it and it rejoins: node",
         "worker.restart": "an agent restarts its workers: reason 'reform' (a membership "
         "change) or 'failure' (spends the job's restart budget, kept in etcd)",
         "worker.frozen": "an agent ended a worker stopped (SIGSTOP) for FROZEN_S seconds so "

@@ -7,6 +7,7 @@ Ports come from the OS; a start that loses a port race is retried on new ports.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -54,6 +55,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@functools.cache
+def _no_fsync() -> tuple[str, ...]:
+    """``--unsafe-no-fsync`` where the binary has it (etcd 3.5+). These servers are the
+    tests' and the demo's, on a disk they share with checkpoint writes: on ext4 an fsync
+    of etcd's log also flushes the checkpoint data written before it, which stalled etcd
+    for seconds, past the fast-failover profile's 3 s leases (a live node declared dead).
+    A killed etcd process loses nothing without fsync (the page cache survives it); a
+    production etcd belongs on its own disk (docs/operations.md)."""
+    try:
+        shown = subprocess.run(
+            [find_etcd(), "--help"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError, ElasticError):
+        return ()
+    return ("--unsafe-no-fsync",) if "--unsafe-no-fsync" in shown.stdout + shown.stderr else ()
 
 
 @dataclass
@@ -106,6 +124,7 @@ class EtcdServer:
             "--heartbeat-interval=50",
             "--election-timeout=500",
             "--log-level=error",
+            *_no_fsync(),
             *self.extra,
         ]
 

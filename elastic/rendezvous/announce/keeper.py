@@ -158,6 +158,7 @@ class Keeper:
                 "slow to renew it); it will rejoin.",
                 self._me,
             )
+            events.emit("node.expired", run_id=self._state.run_id, node=self._me)
             with state.cond:
                 state.expired = True
                 state.cond.notify_all()
