@@ -74,6 +74,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "threshold, policy (whether it is dropped), median_s (the ranks' median compute time)",
         "straggler.dropped": "rank 0: the straggler policy drops a node in place (its agent "
         "leaves the job): step, node, ranks, ratio, reason, median_s",
+        "worker.hang.peers": "the ranks waiting in a step past the hang bound named those that "
+        "never reached its collectives: rank (the lowest waiting), step, ranks, seconds, round",
         "worker.hang": "a rank stayed inside a step past the hang bound without reaching its "
         "collectives; it exits so that the group goes on: rank, step, pid, seconds, bound_s",
         "worker.stacks": "the Python stacks of every thread of a stuck worker "

@@ -53,12 +53,25 @@ class StepEnd:
         if self._hang is None:
             guard = getattr(self.run._group, "guard", None)
             recent = lambda: tuple(self.times.recent)  # noqa: E731
-            self._hang = HangWatch(guard, recent, lambda: (self.run.rank, self.run.step))
+            self._hang = HangWatch(
+                guard, recent, lambda: (self.run.rank, self.run.step), round_store=self._store
+            )
         self._hang.pause()
         try:
             return self._after_step(final)
         finally:
             self._hang.resume()
+
+    def _store(self) -> tuple[Any, int, int] | None:
+        """The store of this rank's round, its number and world size (in place), for the
+        hang watch's roll call."""
+        member = self.run._group.member
+        a = member.assignment if member is not None else None
+        if a is None:
+            return None
+        from elastic.inplace import groups
+
+        return groups.client(a.master_addr, a.master_port), a.round, a.world_size
 
     def _after_step(self, final: bool = False) -> bool:
         """Count the step just run and act on the group's agreement; True when the group

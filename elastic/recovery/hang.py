@@ -16,6 +16,13 @@ of :class:`HangWatch` then
    starts it again (a failure: it spends one of the job's restarts, so a hang that comes
    back every time ends the job), to rejoin from their state.
 
+The ranks that did reach their collectives name the ones that did not, from what they
+know: at the same bound, each waiting rank marks itself in the round's store
+(``elastic/arrived/<round>/<step>/<rank>``; nothing is written in a healthy step), reads the
+others' marks after :data:`ROLL_CALL_GRACE_S`, and the lowest of them names every rank
+without a mark (event ``worker.hang.peers``: step, ranks, seconds). So a rank that cannot
+name itself (stuck with the GIL held) is named too.
+
 It runs on the in-place path only, where the step guard sees this rank's collectives (on
 the restart path a peer waiting inside DDP's all-reduce would look stuck too). A worker
 stuck with the GIL held (inside a C call that does not release it) cannot run the thread;
@@ -30,7 +37,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from elastic import events, reform
@@ -39,6 +46,33 @@ from elastic.recovery import straggler
 logger = logging.getLogger(__name__)
 POLL_S = 0.05
 MAX_STACKS = 32_000  # characters of stacks kept in the event
+ARRIVED_PREFIX = "elastic/arrived"  # <round>/<step>/<rank>: that rank waits in the step
+ROLL_CALL_GRACE_S = 0.3  # the waiting ranks mark themselves within this of one another
+
+# The round's store, its number and its world size; None off the in-place path.
+RoundStore = Callable[[], "tuple[Any, int, int] | None"]
+
+
+def absent(world_size: int, present: Iterable[int]) -> list[int]:
+    """The ranks of a world of ``world_size`` that are not ``present``, sorted."""
+    return sorted(set(range(world_size)) - set(present))
+
+
+def roll_call(
+    store: Any, round_: int, step: int, rank: int, world_size: int, grace_s: float
+) -> tuple[list[int], bool]:
+    """Mark ``rank`` as waiting in ``step`` in the round's ``store``, give the other waiting
+    ranks ``grace_s`` to mark themselves, and return ``(the ranks without a mark, whether
+    this rank is the lowest that has one)``: the lowest names them."""
+    prefix = f"{ARRIVED_PREFIX}/{round_}/{step}"
+    store.set(f"{prefix}/{rank}", "1")
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + grace_s
+    while True:
+        present = [r for r, key in enumerate(keys) if store.check([key])]
+        if len(present) == world_size or time.monotonic() >= deadline:
+            return absent(world_size, present), min(present, default=rank) == rank
+        time.sleep(POLL_S)
 
 
 class HangWatch:
@@ -57,8 +91,11 @@ class HangWatch:
         recent: Callable[[], tuple[float, ...]],
         describe: Callable[[], tuple[int, int]],
         exit: Callable[[int], None] = os._exit,
+        round_store: RoundStore | None = None,
     ) -> None:
         self.guard = guard
+        self.round_store = round_store
+        self._named: int | None = None  # the step whose absent ranks this rank looked for
         self.recent = recent
         self.describe = describe
         self.exit = exit
@@ -95,16 +132,57 @@ class HangWatch:
             return None
         return now - began if now - began > self.bound() else None
 
+    def waiting_for(self, now: float) -> float | None:
+        """Seconds this rank's step has run past the bound while a collective of it was in
+        flight (it arrived; a peer has not); None otherwise."""
+        began = self._step_began
+        if began is None or self.guard.in_flight_since() is None:
+            return None
+        return now - began if now - began > self.bound() else None
+
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
             try:
-                seconds = self.stuck_for(time.monotonic())
+                now = time.monotonic()
+                seconds = self.stuck_for(now)
+                waited = None if seconds is not None else self.waiting_for(now)
+                if waited is not None:
+                    self.name_absent(waited)
             except Exception as exc:  # never let the watch end the worker by mistake
                 logger.warning("The hang watch failed (%s); it stops.", exc)
                 return
             if seconds is not None:
                 self.give_up(seconds)
                 return
+
+    def name_absent(self, seconds: float) -> None:
+        """Once per step: the roll call of the waiting ranks; the lowest of them names the
+        ranks that never reached the step's collectives (event ``worker.hang.peers``)."""
+        rank, step = self.describe()
+        found = self.round_store() if self.round_store is not None else None
+        if found is None or self._named == step:
+            return
+        self._named = step
+        store, round_, world_size = found
+        missing, lowest = roll_call(store, round_, step, rank, world_size, ROLL_CALL_GRACE_S)
+        if not missing or not lowest:
+            return
+        logger.error(
+            "Step %d has waited %.1f s for rank(s) %s, which never reached its collectives "
+            "(bound %.1f s).",
+            step,
+            seconds,
+            missing,
+            self.bound(),
+        )
+        events.emit(
+            "worker.hang.peers",
+            rank=rank,
+            step=step,
+            ranks=missing,
+            seconds=round(seconds, 3),
+            round=round_,
+        )
 
     def give_up(self, seconds: float) -> None:
         """Record the stacks and the hang, then end this process."""
@@ -141,4 +219,4 @@ def dump_stacks() -> str:
     return text[-MAX_STACKS:]
 
 
-__all__ = ["HangWatch", "dump_stacks"]
+__all__ = ["ARRIVED_PREFIX", "HangWatch", "absent", "dump_stacks", "roll_call"]

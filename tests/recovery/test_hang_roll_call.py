@@ -1,0 +1,89 @@
+"""The waiting ranks name the ones that never reached a step's collectives (``worker.hang.peers``):
+a roll call in the round's store, written only past the hang bound (elastic.recovery.hang)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from elastic import events
+from elastic.recovery.hang import HangWatch, absent, roll_call
+
+
+class _Guard:
+    def __init__(self, since: float | None) -> None:
+        self.since = since
+
+    def in_flight_since(self) -> float | None:
+        return self.since
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+
+
+@pytest.mark.parametrize(
+    ("world", "present", "missing"),
+    [(4, [0, 1, 3], [2]), (3, [], [0, 1, 2]), (2, [0, 1], []), (3, [2, 2, 0], [1])],
+)
+def test_absent_is_every_rank_without_a_mark(world: int, present: list[int], missing: list[int]):
+    assert absent(world, present) == missing
+
+
+def test_the_lowest_waiting_rank_names_the_missing_one(store: dist.TCPStore) -> None:
+    """Ranks 1 and 3 wait in step 17 of round 5 of a world of 4; rank 0 is stuck, rank 2
+    marks itself late but within the grace: rank 1 names rank 0 alone."""
+    found: dict[int, tuple[list[int], bool]] = {}
+
+    def wait(rank: int) -> None:
+        found[rank] = roll_call(store, 5, 17, rank, 4, grace_s=0.4)
+
+    threads = [threading.Thread(target=wait, args=(r,)) for r in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert found[1] == ([0], True)
+    assert found[2] == ([0], False) and found[3] == ([0], False)
+    assert not store.check(["elastic/arrived/5/17/0"])  # nothing written for the stuck rank
+
+
+def test_a_waiting_watch_names_its_stuck_peer_once_per_step(
+    store: dist.TCPStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the bound with a collective in flight this rank waits for a peer: it is not
+    stuck, and the roll call names the peer (once per step)."""
+    monkeypatch.setenv("ELASTIC_HANG", "2,5")
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    exits: list[int] = []
+    watch = HangWatch(
+        _Guard(since=100.2),
+        lambda: (0.1, 0.1),
+        lambda: (0, 9),
+        exit=exits.append,
+        round_store=lambda: (store, 3, 2),
+    )
+    watch._step_began = 100.0
+    assert watch.waiting_for(101.0) is None  # inside the bound
+    seconds = watch.waiting_for(103.0)
+    assert seconds == 3.0 and watch.stuck_for(103.0) is None
+    watch.name_absent(seconds)
+    watch.name_absent(seconds)  # the same step: no second roll call
+    named = events.read(tmp_path / "events.jsonl", "worker.hang.peers")
+    assert [(e["rank"], e["step"], e["ranks"], e["round"]) for e in named] == [(0, 9, [1], 3)]
+    assert exits == []
+
+
+def test_off_the_in_place_path_nobody_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTIC_HANG", "2,5")
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    watch = HangWatch(_Guard(since=100.2), lambda: (), lambda: (0, 9), round_store=lambda: None)
+    watch._step_began = 100.0
+    watch.name_absent(3.0)
+    assert events.read(tmp_path / "events.jsonl", "worker.hang.peers") == []
