@@ -45,6 +45,11 @@ Small hooks into torch's agent:
   soon as the rendezvous shows a new membership change (a planned leave was seen 0.16-0.19 s
   after the SIGTERM, at the 0.3 s tick); the interval still paces the checks of healthy
   workers.
+* **Probation** (:mod:`elastic.agent.probation`): when the straggler policy drops this node
+  (its lowest rank leaves a request in this agent's node-local directory), the agent leaves
+  the round in place as a planned leave does, sits out running a health check with back-off,
+  and rejoins as a joiner once a check passes (or leaves for good after the rule's bound).
+  Without in-place workers, or with ``$ELASTIC_PROBATION=off``, it leaves the job (exit 0).
 * **A frozen worker is ended.** A worker stopped (SIGSTOP) for ``FROZEN_S`` seconds while
   its agent runs is killed and restarted like a failed one (:mod:`elastic.agent.frozen`):
   its peers would otherwise wait on it round after round.
@@ -60,6 +65,7 @@ import re
 import signal
 import time
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import (
@@ -78,8 +84,9 @@ from elastic.agent.forkserver import server_cold_reason
 from elastic.agent.frozen import FrozenWatch
 from elastic.agent.inplace_host import InPlaceHost
 from elastic.agent.plain_script import PlainScript
+from elastic.agent.probation import Probation, request_path
 from elastic.inplace import channel
-from elastic.recovery import snapshot
+from elastic.recovery import probation, snapshot
 from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
 
 logger = logging.getLogger(__name__)
@@ -95,6 +102,8 @@ class NodeAgent(LocalElasticAgent):
     _change: MembershipChange | None = None  # what made the current restart, once seen
     _tick_s: float | None = None  # the monitor interval, while _invoke_run waits on exits
     _frozen: FrozenWatch | None = None  # workers seen stopped (SIGSTOP), made on first use
+    _probation: Probation | None = None  # with the straggler policy on (made in run)
+    _request: Path | None = None  # where a dropped node's worker asks for probation
 
     def _handler(self) -> MembershipHandler | None:
         handler = self._worker_group.spec.rdzv_handler
@@ -218,10 +227,16 @@ class NodeAgent(LocalElasticAgent):
                     return
                 if handler is not None and handler.membership_change() != before:
                     return
+                if self._request is not None and self._request.exists():
+                    return  # this node was dropped: probation (_monitor_workers)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         if self._tick_s is not None:
             self._wait_for_worker_exit(self._tick_s)
+        if self._request is not None and self._request.exists():
+            request = probation.take_request(os.getpid())
+            if request is not None:
+                return self._sit_out(worker_group, request)
         self._collect_script_exits()
         result = super()._monitor_workers(worker_group)
         handler = self._handler()
@@ -247,6 +262,21 @@ class NodeAgent(LocalElasticAgent):
         self._spend_job_restart(handler)
         return result
 
+    def _sit_out(self, worker_group: WorkerGroup, request: probation.Request) -> RunResult:
+        """This node was dropped as a straggler: probation (it comes back HEALTHY, or ends
+        SUCCEEDED when the job finished meanwhile), else a planned leave."""
+        host, handler, sitter = self._host, self._handler(), self._probation
+        if sitter is None or host is None or handler is None or not host.ready(worker_group):
+            logger.warning("This node is slow (%s); it leaves the job.", request.reason)
+            raise SignalException("The node was dropped as a straggler.", signal.SIGTERM)
+        if sitter.sit_out(
+            request, worker_group, host, handler, self._stop_workers, self._initialize_workers
+        ):
+            self._change = None
+            return RunResult(state=WorkerState.HEALTHY)
+        values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
     def _finished_before_join(
         self, worker_group: WorkerGroup, handler: MembershipHandler
     ) -> RunResult:
@@ -264,6 +294,8 @@ class NodeAgent(LocalElasticAgent):
         """torch's wait (up to 300 s) for every agent of the round to finish, unless our
         workers ended in an older round than this node joined last: a join formed as the
         job finished, and the joiner's agent would not reach the barrier in time."""
+        if self._probation is not None and self._probation.finished:
+            return  # the job finished while this node sat out: it holds no round
         host = self._host
         if host is not None and host.ended_before_round(self._worker_group):
             logger.warning(
@@ -359,6 +391,8 @@ class NodeAgent(LocalElasticAgent):
 
     def run(self, role: str = "default") -> Any:
         _prepare_node()
+        self._probation = Probation.from_env()  # times the health check while healthy
+        self._request = request_path(os.getpid())
         try:
             return super().run(role)
         except SignalException as exc:

@@ -7,8 +7,9 @@ the rest, its *compute*), which rides in this rank's slots of the agreement vect
 it, every rank applies the pure rule to the same sums (:meth:`StepTimes.observe`). Rank 0
 records what the rule detects (event ``straggler.detected``) and each step's slowest ranks
 (on ``train.step``); when the policy drops a node, that node's lowest rank asks its agent
-to leave the job (SIGTERM, a planned leave: the group re-forms in place without it, no
-completed step is lost).
+for probation (:mod:`elastic.recovery.probation`: the agent leaves the round in place like a
+planned leave, the group re-forms without it and no completed step is lost, then the node
+checks its health and rejoins), or, with probation off, to leave the job (SIGTERM).
 
 The wait is known on the in-place path, where the step guard sees every collective
 (:meth:`elastic.inplace.guard.StepGuard.waited`); on the restart path only the agreement's
@@ -28,7 +29,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from elastic import env, events
-from elastic.recovery import straggler
+from elastic.recovery import probation, straggler
 from elastic.recovery.boundary import Tally
 
 if TYPE_CHECKING:
@@ -122,15 +123,27 @@ class StepTimes:
                 )
         drop = decision.drop
         if drop is not None and self.run.rank == min(drop.ranks) and not self._left:
-            self._leave(decision.reason)
+            median = statistics.median(view.compute)
+            self._leave(probation.Request(view.step, drop.ratio, median, decision.reason))
 
-    def _leave(self, reason: str) -> None:
-        """This node was dropped: ask its agent to leave the job (a planned leave)."""
+    def _leave(self, request: probation.Request) -> None:
+        """This node was dropped: ask its agent for probation (a request in its node-local
+        directory: it leaves in place, checks its health and rejoins), or, with
+        ``$ELASTIC_PROBATION=off`` or when the request cannot be written, to leave the job
+        (SIGTERM, a planned leave)."""
         owner = os.environ.get(env.SNAPSHOT_OWNER, "")
+        reason = request.reason
         if not owner.isdigit():
             logger.warning("This node is slow (%s) but runs without an agent to leave.", reason)
             return
         self._left = True
+        if probation.options_from_env().enabled:
+            try:
+                probation.write_request(int(owner), request)
+                logger.warning("This node is slow (%s); its agent puts it on probation.", reason)
+                return
+            except OSError as exc:
+                logger.warning("Could not ask the agent for probation (%s); it leaves.", exc)
         logger.warning("This node is slow (%s); its agent leaves the job.", reason)
         os.kill(int(owner), signal.SIGTERM)
 

@@ -1,10 +1,10 @@
 """Slow and stuck nodes under real agents (tests/scripts/inplace_user.py, in place).
 
 * A node slowed to 1/3 speed (its step's work takes 3 times as long) is named K steps after
-  the slowing
-  (``straggler.detected``), and with the policy on (``ELASTIC_STRAGGLER=X,K``) dropped in
-  place: its agent leaves, the others go on, no completed step is redone, each sample is
-  used once per epoch and the final model is the fault-free one.
+  the slowing (``straggler.detected``), and with the policy on (``ELASTIC_STRAGGLER=X,K``)
+  dropped in place: with ``ELASTIC_PROBATION=off`` its agent leaves for good (probation and
+  the rejoin: tests/recovery/test_probation.py), the others go on, no completed step is
+  redone, each sample is used once per epoch and the final model is the fault-free one.
 * A worker stuck in ``time.sleep(3600)`` inside a step (its agent alive) names itself past
   the hang bound (``worker.hang``), its stack reaches the event log (``worker.stacks``), it
   exits, and the group goes on.
@@ -13,9 +13,11 @@ This file is also the tests' worker: run as a script it wraps the user's script
 (tests/scripts/inplace_user.py), whose step ends in ``time.sleep(step_delay)`` (the step's
 work): ``$STRAGGLER_TEST_SLOW=F,N`` makes that F times longer from the N-th step on (a slower
 device: 3 is a node at 1/3 speed), ``$STRAGGLER_TEST_HANG_AT=N`` makes the N-th one a
-``time.sleep(3600)`` (once per job). A SIGSTOP/SIGCONT duty cycle (:class:`DutyCycle`, used
-by bench/straggler.py ``--mode signal``) slows a node too, but its readings depend on where
-the stops land: a stop while the rank's own collective is in flight counts as its wait.
+``time.sleep(3600)`` (once per job); with ``$STRAGGLER_TEST_SLOW_WHILE=PATH`` the steps are
+F times longer only while PATH exists (tests/recovery/test_probation.py). A SIGSTOP/SIGCONT
+duty cycle (:class:`DutyCycle`, used by bench/straggler.py ``--mode signal``) slows a node
+too, but its readings depend on where the stops land: a stop while the rank's own collective
+is in flight counts as its wait.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inplace_user.py"
 SAMPLES, BATCH = 240, 12
 HANG_AT_ENV = "STRAGGLER_TEST_HANG_AT"  # N: the N-th step's sleep is a hang
 SLOW_ENV = "STRAGGLER_TEST_SLOW"  # "F,N": from the N-th step on, each step's sleep is F times
+SLOW_WHILE_ENV = "STRAGGLER_TEST_SLOW_WHILE"  # PATH: F times only while PATH exists
 
 
 def _args(out: Path, epochs: int) -> list[str]:
@@ -86,7 +89,9 @@ def test_a_slowed_node_is_named_and_dropped(cluster: LocalCluster, tmp_path: Pat
     out, ref = tmp_path / "out", tmp_path / "ref"
     _reference(ref, epochs)
     worker = [str(Path(__file__)), *_args(out, epochs), "--step-delay=0.03"]
-    extra = {"ELASTIC_STRAGGLER": f"2,{k}"}  # the agent: never below --nnodes MIN (2)
+    # never below --nnodes MIN (2); probation off: the dropped node leaves for good
+    # (probation and rejoin: tests/recovery/test_probation.py)
+    extra = {"ELASTIC_STRAGGLER": f"2,{k}", "ELASTIC_PROBATION": "off"}
     slow = {**extra, SLOW_ENV: f"3,{slow_after}"}
     nodes = [
         cluster.start(name, worker=worker, extra_env=slow if name == "c" else extra, nnodes="2:3")
@@ -155,12 +160,16 @@ def _hang_worker() -> None:
         real_sleep(seconds)
 
     factor, slow_from = (float(x) for x in (os.environ.get(SLOW_ENV) or "1,0").split(","))
+    slow_while = os.environ.get(SLOW_WHILE_ENV)
+
+    def slowed() -> bool:
+        return os.path.exists(slow_while) if slow_while else calls[0] >= slow_from
 
     def sleep(seconds: float) -> None:
         step = seconds == delay and threading.current_thread() is threading.main_thread()
         if step:
             calls[0] += 1  # the user's loop: one sleep of --step-delay per step
-            if calls[0] >= slow_from:
+            if slowed():
                 seconds *= factor  # a slower device: the step's own work takes longer
         if step and calls[0] == at and not marker.exists():
             Path(out).mkdir(parents=True, exist_ok=True)

@@ -262,16 +262,18 @@ class _Waits:
         return self.total
 
 
-def test_step_times_measure_and_drop_by_the_agents_planned_leave(
+def test_step_times_measure_and_ask_for_probation_or_leave(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rank's compute is its step less the guard's wait; rank 0 records the detection;
-    the lowest rank of the dropped node sends SIGTERM to its agent (a planned leave)."""
+    the lowest rank of the dropped node asks its agent for probation, or with probation
+    off sends it SIGTERM (a planned leave)."""
+    import os
     import signal
     from types import SimpleNamespace
 
     from elastic import events
-    from elastic.recovery import timing
+    from elastic.recovery import probation, timing
     from elastic.recovery.boundary import Tally
 
     monkeypatch.setenv("ELASTIC_STRAGGLER", "2,2")
@@ -298,9 +300,21 @@ def test_step_times_measure_and_drop_by_the_agents_planned_leave(
     assert killed == []  # rank 0 is not on the dropped node
     assert times.fields()["slowest"][0] == [2, 3.0]
 
-    run.rank = 2  # the dropped node's lowest rank: its agent leaves
+    run.rank = 2  # the dropped node's lowest rank: it asks its agent for probation
+    monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", str(os.getpid()))
+    asked: list[tuple[int, probation.Request]] = []
+    monkeypatch.setattr(probation, "write_request", lambda o, r: asked.append((o, r)))
     times2 = timing.StepTimes(run)  # type: ignore[arg-type]
     for step in (1, 2):
         run.step = step
         times2.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
-    assert killed == [(4242, signal.SIGTERM)]
+    assert killed == [] and len(asked) == 1 and asked[0][0] == os.getpid()
+    assert (asked[0][1].step, asked[0][1].ratio, asked[0][1].median_s) == (2, 3.0, 1.0)
+
+    monkeypatch.setenv("ELASTIC_PROBATION", "off")  # probation off: its agent leaves
+    monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", "4242")
+    times3 = timing.StepTimes(run)  # type: ignore[arg-type]
+    for step in (1, 2):
+        run.step = step
+        times3.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
+    assert killed == [(4242, signal.SIGTERM)] and len(asked) == 1

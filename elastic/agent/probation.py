@@ -1,0 +1,301 @@
+"""The agent's side of probation (the rule: :mod:`elastic.recovery.probation`).
+
+When the straggler policy drops this node (its lowest rank leaves a request in the agent's
+node-local directory), the agent does not exit. :meth:`Probation.sit_out`:
+
+1. leaves the round in place exactly as a planned leave does (the rendezvous key is deleted,
+   the local workers are told the node leaves: they drop the step in flight and exit 0, the
+   others re-form without this node and redo nothing), and reaps the workers;
+2. sits out, running the health check when the rule says (event ``probation.check``): a timed
+   run of a fixed workload on this node alone, no collective (:func:`builtin_workload`, a
+   small MLP's forward and backward on the CPU, in the agent's process), or the command in
+   ``$ELASTIC_PROBATION_PROBE`` (its last line of output, if a number, is the seconds its
+   work took; else its wall time; a non-zero exit or a run past :data:`PROBE_TIMEOUT_S` fails
+   the check), compared with the same probe timed as the agent started;
+3. rejoins once a check passes (event ``node.rejoin``): the agent runs the rendezvous again
+   as a joiner and starts fresh workers, which take the group's state from a peer; or, after
+   the rule's bound of failed checks, leaves the job for good (event ``probation.gave_up``,
+   exit 0).
+
+A stop signal during probation ends the agent as a planned leave does (exit 0); a job that
+finishes meanwhile (its rendezvous closed) ends it with 0 too.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shlex
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+from elastic import events, procs
+from elastic.agent.inplace_host import InPlaceHost
+from elastic.recovery import probation, straggler
+from elastic.recovery.probation import Action, History, Request
+from elastic.rendezvous.contract import MembershipHandler
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 60.0  # a probe command that runs longer fails its check
+WORKERS_EXIT_S = 30.0  # the local workers' time to exit after the leave, then they are killed
+POLL_S = 0.5  # how often a waiting probation looks for a closed job (one etcd read)
+
+
+def builtin_workload(iterations: int = 20, repeats: int = 3) -> float:
+    """Seconds for ``iterations`` forward and backward passes of a small MLP on the CPU
+    (the median of ``repeats`` timings): this node's compute, with no collective."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)
+    )
+    x = torch.randn(64, 256, generator=gen)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(iterations):
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def run_command(command: str, timeout_s: float = PROBE_TIMEOUT_S) -> float:
+    """Seconds the probe command's work took (its last line of output if a number, else its
+    wall time); ``inf`` when it failed, could not start or ran past ``timeout_s``."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            shlex.split(command), capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("The probation probe %r did not complete: %s", command, exc)
+        return math.inf
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        logger.warning(
+            "The probation probe %r exited %d: %s",
+            command,
+            done.returncode,
+            done.stderr.strip()[-500:],
+        )
+        return math.inf
+    lines = done.stdout.strip().splitlines()
+    try:
+        return float(lines[-1]) if lines else wall
+    except ValueError:
+        return wall
+
+
+def probe_from_env(environ: dict[str, str] | None = None) -> Callable[[], float]:
+    """The health check: ``$ELASTIC_PROBATION_PROBE``'s command, else the built-in one."""
+    import os
+
+    command = (os.environ if environ is None else environ).get(probation.PROBE_ENV, "").strip()
+    if command:
+        return lambda: run_command(command)
+    return builtin_workload
+
+
+class Probation:
+    """One agent's probations: the baseline taken as it starts, then :meth:`sit_out` each
+    time its node is dropped."""
+
+    def __init__(
+        self,
+        options: probation.Options,
+        probe: Callable[[], float],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.options = options
+        self.probe = probe
+        self.clock = clock
+        self.baseline_s: float | None = None
+        self.count = 0  # probations so far in this job
+        self.finished = False  # the job finished while this node sat out
+
+    @classmethod
+    def from_env(cls) -> Probation | None:
+        """With the straggler policy on and probation not off: one, its baseline timed now
+        (``$ELASTIC_PROBATION``, ``$ELASTIC_PROBATION_PROBE``); else None."""
+        options = probation.options_from_env()
+        if not (straggler.options_from_env().drop and options.enabled):
+            return None
+        made = cls(options, probe_from_env())
+        made.take_baseline()
+        return made
+
+    def take_baseline(self) -> None:
+        """Time the probe on this node while it is healthy (as the agent starts)."""
+        seconds = self.probe()
+        self.baseline_s = seconds if math.isfinite(seconds) else None
+        logger.info("The probation probe's healthy time on this node: %s s.", self.baseline_s)
+
+    # -- one probation -------------------------------------------------------------------
+
+    def sit_out(
+        self,
+        request: Request,
+        worker_group: WorkerGroup,
+        host: InPlaceHost,
+        handler: MembershipHandler,
+        stop: Callable[[WorkerGroup], None],
+        rejoin: Callable[[WorkerGroup], None],
+    ) -> bool:
+        """Leave in place, check until the rule says, rejoin (True) or find the job finished
+        (False, :attr:`finished`).
+
+        Raises:
+            SignalException: the node leaves the job for good (the rule's bound), as a
+                planned leave ends (exit 0).
+        """
+        self.count += 1
+        run_id = handler.get_run_id()
+        history = History(self.clock(), self.baseline_s, self.count)
+        first = probation.decide(history, None, self.clock(), self.options)
+        if first.action is Action.LEAVE:
+            self._give_up(run_id, first.reason, history)
+        logger.warning(
+            "This node was dropped as a straggler (%s); it leaves the round and sits out on "
+            "probation (%d), its first health check in %g s.",
+            request.reason,
+            self.count,
+            self.options.first_s,
+        )
+        events.emit(
+            "node.probation",
+            run_id=run_id,
+            step=request.step,
+            ratio=request.ratio,
+            median_s=round(request.median_s, 6),
+            reason=request.reason,
+            baseline_s=_rounded(self.baseline_s),
+            probation=self.count,
+            next_check_in=self.options.first_s,
+        )
+        host.leave(worker_group)
+        self._reap(worker_group, stop)
+        due = first.next_check_at
+        while True:
+            if not self._wait_until(due, handler):
+                return False
+            seconds = self.probe()
+            decision = probation.decide(history, seconds, self.clock(), self.options)
+            history = decision.history
+            check = history.checks[-1]
+            next_in = None if decision.next_check_at is None else decision.next_check_at - check.at
+            logger.warning("Probation health check: %s.", decision.reason)
+            events.emit(
+                "probation.check",
+                run_id=run_id,
+                seconds=_rounded(seconds),
+                baseline_s=_rounded(self.baseline_s),
+                passed=check.passed,
+                failures=history.failures,
+                next_check_in=round(next_in, 3) if next_in is not None else None,
+                reason=decision.reason,
+            )
+            if decision.action is Action.LEAVE:
+                self._give_up(run_id, decision.reason, history)
+            if decision.action is Action.REJOIN:
+                return self._rejoin(worker_group, host, rejoin, run_id, history)
+            due = decision.next_check_at
+
+    def _reap(self, worker_group: WorkerGroup, stop: Callable[[WorkerGroup], None]) -> None:
+        """Wait for the local workers to exit (they were told the node leaves), then stop
+        what is left (after :data:`WORKERS_EXIT_S`) and reap them."""
+        deadline = time.monotonic() + WORKERS_EXIT_S
+        pids = [w.id for w in worker_group.workers if isinstance(w.id, int)]
+        while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop(worker_group)
+        worker_group.state = WorkerState.STOPPED
+
+    def _wait_until(self, due: float | None, handler: MembershipHandler) -> bool:
+        """Sleep until ``due``; False when the job finished meanwhile (its rendezvous closed)."""
+        while True:
+            if self._closed(handler):
+                logger.warning("The job finished while this node was on probation; it exits.")
+                self.finished = True
+                return False
+            left = (due if due is not None else self.clock()) - self.clock()
+            if left <= 0:
+                return True
+            time.sleep(min(left, POLL_S))
+
+    @staticmethod
+    def _closed(handler: MembershipHandler) -> bool:
+        try:
+            return bool(handler.is_closed())
+        except Exception:  # etcd does not answer: nothing says the job finished
+            return False
+
+    def _rejoin(
+        self,
+        worker_group: WorkerGroup,
+        host: InPlaceHost,
+        rejoin: Callable[[WorkerGroup], None],
+        run_id: str,
+        history: History,
+    ) -> bool:
+        host.left = False
+        started = self.clock()
+        try:
+            rejoin(worker_group)
+        except RendezvousClosedError:
+            logger.warning("The job finished before this node could rejoin it; it exits.")
+            self.finished = True
+            return False
+        world = worker_group.workers[0].world_size if worker_group.workers else None
+        logger.warning(
+            "This node passed its health check and rejoined the job: round %d, world size %s.",
+            host.joined_round(),
+            world,
+        )
+        events.emit(
+            "node.rejoin",
+            run_id=run_id,
+            round=host.joined_round(),
+            world_size=world,
+            group_world_size=worker_group.group_world_size,
+            probation_s=round(started - history.entered, 3),
+            rendezvous_s=round(self.clock() - started, 3),
+            checks=len(history.checks),
+        )
+        return True
+
+    def _give_up(self, run_id: str, reason: str, history: History) -> None:
+        logger.warning("This node leaves the job for good: %s.", reason)
+        events.emit(
+            "probation.gave_up",
+            run_id=run_id,
+            reason=reason,
+            probation=self.count,
+            checks=len(history.checks),
+        )
+        raise SignalException(f"The node left the job on probation: {reason}.", signal.SIGTERM)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return round(seconds, 4) if seconds is not None and math.isfinite(seconds) else None
+
+
+def request_path(owner: int) -> Path | None:
+    """Where a worker of agent ``owner`` leaves its request (None without the directory)."""
+    from elastic import nodelocal
+
+    folder = nodelocal.find(owner)
+    return None if folder is None else folder / probation.REQUEST
+
+
+__all__ = ["Probation", "builtin_workload", "probe_from_env", "request_path", "run_command"]
