@@ -116,10 +116,11 @@ class Probation:
         options: probation.Options,
         probe: Callable[[], float],
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.options = options
         self.probe = probe
-        self.clock = clock
+        self.clock, self.sleep = clock, sleep
         self.baseline_s: float | None = None
         self.count = 0  # probations so far in this job
         self.finished = False  # the job finished while this node sat out
@@ -217,7 +218,7 @@ class Probation:
         deadline = time.monotonic() + WORKERS_EXIT_S
         pids = [w.id for w in worker_group.workers if isinstance(w.id, int)]
         while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # real time: the workers' own exit
         stop(worker_group)
         worker_group.state = WorkerState.STOPPED
 
@@ -231,7 +232,7 @@ class Probation:
             left = (due if due is not None else self.clock()) - self.clock()
             if left <= 0:
                 return True
-            time.sleep(min(left, POLL_S))
+            self.sleep(min(left, POLL_S))
 
     @staticmethod
     def _closed(handler: MembershipHandler) -> bool:

@@ -132,3 +132,133 @@ def test_probes() -> None:
     assert agent_probation.run_command("/nonexistent/probe") == INF
     slow = f"{sys.executable} -c 'import time; time.sleep(5)'"
     assert agent_probation.run_command(slow, timeout_s=0.2) == INF
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.left = False
+        self.leaves = 0
+
+    def leave(self, worker_group: object) -> None:
+        self.left, self.leaves = True, self.leaves + 1
+
+    def joined_round(self) -> int:
+        return 4
+
+
+class _Handler:
+    def __init__(self, closed_after: int | None = None) -> None:
+        self.asked, self.closed_after = 0, closed_after
+
+    def get_run_id(self) -> str:
+        return "job"
+
+    def is_closed(self) -> bool:
+        self.asked += 1
+        return self.closed_after is not None and self.asked > self.closed_after
+
+
+def _sitter(seconds: list[float], options: Options = OPTS):  # type: ignore[no-untyped-def]
+    """A Probation on a fake clock that sleeps by advancing it; the probe returns
+    ``seconds`` in turn (each run at the clock's time, recorded)."""
+    from elastic.agent.probation import Probation
+
+    clock = [100.0]
+    ran: list[float] = []
+
+    def probe() -> float:
+        ran.append(clock[0])
+        return seconds[len(ran) - 1]
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+
+    sitter = Probation(options, probe, clock=lambda: clock[0], sleep=sleep)
+    sitter.baseline_s = 1.0
+    return sitter, ran
+
+
+def _group():  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    worker = SimpleNamespace(id=None, global_rank=2, world_size=3)
+    return SimpleNamespace(workers=[worker], group_world_size=3, state=None)
+
+
+REQUEST = Request(step=12, ratio=2.4, median_s=0.06, reason="node 7 at 2.4x")
+
+
+def test_sit_out_leaves_checks_with_backoff_and_rejoins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastic import events
+
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    sitter, ran = _sitter([3.0, 3.0, 1.0])
+    host = _Host()
+    stopped: list[object] = []
+    rejoined: list[object] = []
+    group = _group()
+    assert sitter.sit_out(
+        REQUEST,
+        group,
+        host,
+        _Handler(),
+        stopped.append,
+        rejoined.append,
+    )
+    assert host.leaves == 1 and not host.left  # left in place, then back
+    assert stopped == [group] and rejoined == [group]
+    assert ran == [105.0, 115.0, 135.0]  # first_s 5, then 10, 20
+    log = tmp_path / "events.jsonl"
+    entered = events.read(log, "node.probation")[0]
+    assert (entered["step"], entered["ratio"], entered["next_check_in"]) == (12, 2.4, 5.0)
+    checks = events.read(log, "probation.check")
+    assert [(c["passed"], c["next_check_in"]) for c in checks] == [
+        (False, 10.0),
+        (False, 20.0),
+        (True, None),
+    ]
+    back = events.read(log, "node.rejoin")[0]
+    assert (back["round"], back["world_size"], back["checks"]) == (4, 3, 3)
+
+
+def test_sit_out_gives_up_after_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from elastic import events
+
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    sitter, ran = _sitter([INF] * 4)
+    rejoined: list[object] = []
+    with pytest.raises(SignalException, match="4 failed checks"):
+        sitter.sit_out(
+            REQUEST,
+            _group(),
+            _Host(),
+            _Handler(),
+            lambda g: None,
+            rejoined.append,
+        )
+    assert len(ran) == 4 and rejoined == []
+    gave_up = events.read(tmp_path / "events.jsonl", "probation.gave_up")[0]
+    assert gave_up["checks"] == 4 and "for good" in gave_up["reason"]
+    # the third probation of this agent leaves at once, before leaving the round
+    sitter.count = 2
+    host = _Host()
+    with pytest.raises(SignalException, match="keeps being dropped"):
+        sitter.sit_out(REQUEST, _group(), host, _Handler(), lambda g: None, rejoined.append)
+    assert host.leaves == 0  # the agent's planned leave does it
+
+
+def test_sit_out_ends_when_the_job_finishes() -> None:
+    sitter, ran = _sitter([3.0])
+    ok = sitter.sit_out(
+        REQUEST,
+        _group(),
+        _Host(),
+        _Handler(closed_after=3),
+        lambda g: None,
+        lambda g: None,
+    )
+    assert not ok and sitter.finished and ran == []
