@@ -72,7 +72,7 @@ def one(
         f"--out={out}",
         f"--step-delay={a.step_delay}",
     ]
-    extra = {"ELASTIC_STRAGGLER_MIN_NODES": "2"}
+    extra = {"ELASTIC_STRAGGLER_MIN_NODES": "2", "ELASTIC_PROBATION": "off"}  # no rejoin
     if policy:
         extra["ELASTIC_STRAGGLER"] = policy
     cluster = LocalCluster(

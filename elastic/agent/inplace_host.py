@@ -65,7 +65,7 @@ class InPlaceHost:
         self._owner = os.getpid() if owner is None else owner
         self._directory = directory
         self._asked_round = -1  # the round in which a worker last asked for a new one
-        self.left = False  # this node has left the rendezvous (SIGTERM, in place)
+        self.left = False  # this node has left the rendezvous (SIGTERM or probation, in place)
 
     def channel_of(self, local_rank: int) -> Path:
         """The channel of local worker ``local_rank`` (its ``$ELASTIC_CHANNEL``)."""

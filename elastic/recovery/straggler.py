@@ -22,7 +22,9 @@ The rule:
 * The **policy** (off by default, :func:`options_from_env`): a detected node is dropped
   (in place, like a planned leave) unless that would leave fewer than ``min_nodes`` nodes,
   or a node was dropped less than ``window_s`` ago (at most one node per window; the
-  slowest goes first).
+  slowest goes first). A dropped node sits out on probation and rejoins once its health
+  check passes (:mod:`elastic.recovery.probation`). On a two-node job nothing is named, so
+  nothing is dropped.
 
 :func:`hang_bound` is the bound after which a step that has not reached its collectives
 counts as stuck (:mod:`elastic.recovery.hang`).
