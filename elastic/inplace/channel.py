@@ -33,11 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from elastic import nodelocal, procs
+from elastic.inplace.notify import FileWatch
 
 logger = logging.getLogger(__name__)
 
 DIRECTORY = nodelocal.DEFAULT_BASE
-POLL_S = 0.005
+POLL_S = 0.005  # how often the worker reads the agent's file where inotify is not available
+IDLE_CHECK_S = 0.25  # with inotify: looks again this often anyway (and then may stop)
+STUCK_CHECK_S = 0.05  # while a newer round is formed: the stuck check's pace
 # A collective of the old group still waiting this long once a newer round is formed is
 # taken as stuck on a gone peer (a healthy gloo all-reduce of a CNN takes milliseconds).
 STUCK_S = 2.0
@@ -248,22 +251,42 @@ class Watcher:
 
     def _loop(self) -> None:
         path = paths(self.prefix)[0]
-        while not self._stop.wait(POLL_S):
-            self._check_stuck()
+        watch = FileWatch.open(path) if path.parent.is_dir() else None
+        try:
+            while not self._pause(watch):
+                self._check_stuck()
+                self._look(path)
+        finally:
+            if watch is not None:
+                watch.close()
+
+    def _pause(self, watch: FileWatch | None) -> bool:
+        """Until the agent's file may have changed (inotify; else :data:`POLL_S`), or the
+        stuck check is due; whether to stop."""
+        if watch is None:
+            return self._stop.wait(POLL_S)
+        with self._cond:
+            newest = self._newest
+            formed = newest is not None and newest.formed_after(self._joined_round)
+        watch.wait(STUCK_CHECK_S if formed else IDLE_CHECK_S)
+        return self._stop.is_set()
+
+    def _look(self, path: Path) -> None:
+        """Take the agent's file if it changed since the last look."""
+        try:
+            st = path.stat()
+        except OSError:
+            return
+        key = (st.st_mtime_ns, st.st_ino)
+        if key == self._stat:
+            return
+        self._stat = key
+        got = read_assignment(self.prefix)
+        if got is not None:
             try:
-                st = path.stat()
-            except OSError:
-                continue
-            key = (st.st_mtime_ns, st.st_ino)
-            if key == self._stat:
-                continue
-            self._stat = key
-            got = read_assignment(self.prefix)
-            if got is not None:
-                try:
-                    self._offer(got)
-                except Exception:  # never leave the worker deaf to its agent
-                    logger.exception("Ignoring an assignment that could not be taken: %s", got)
+                self._offer(got)
+            except Exception:  # never leave the worker deaf to its agent
+                logger.exception("Ignoring an assignment that could not be taken: %s", got)
 
     def _offer(self, got: Assignment) -> None:
         with self._cond:
