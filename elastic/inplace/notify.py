@@ -19,6 +19,7 @@ import logging
 import os
 import select
 import struct
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -73,13 +74,19 @@ class FileWatch:
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` s; whether the file may have changed (its name was named,
         or the queue overflowed). Events for other files are drained and ignored."""
-        if self._fd < 0:
-            return True
-        try:
-            readable, _, _ = select.select([self._fd], [], [], max(timeout, 0.0))
-        except (OSError, ValueError):  # closed meanwhile
-            return True
-        return bool(readable) and self._drain()
+        deadline = time.monotonic() + timeout
+        while self._fd >= 0:
+            try:
+                readable, _, _ = select.select(
+                    [self._fd], [], [], max(deadline - time.monotonic(), 0.0)
+                )
+            except (OSError, ValueError):  # closed meanwhile
+                return True
+            if not readable:
+                return False
+            if self._drain():
+                return True
+        return True
 
     def _drain(self) -> bool:
         seen = False
