@@ -102,6 +102,11 @@ class Closer:
             state.round_seen = revision
             state.high = int(high[0].value) if high else None
             state.touch(time.monotonic())
+            mine = members.get(state.name)
+            if mine is None or mine.create_revision != state.create_rev:
+                state.key_deleted(revision)  # an outage expired it: announce again first
+                if not state.closer:
+                    return
             older = [m for m in members.values() if m.create_revision < state.create_rev]
             if older:  # not the oldest after all (a stale view): follow again
                 state.set_pred(max(older, key=lambda m: m.create_revision), revision)
@@ -175,8 +180,8 @@ class Closer:
                 kv = batch[-1].kv
                 state.set_round_kv([kv], kv.mod_revision)
                 return True
-            if self._take(batch):
-                return True  # our own key is gone
+            if self._take(batch) or not state.closer:
+                return True  # our own key is gone, or an older node is back: follow
             now = time.monotonic()
             state.touch(now)
             decision = self._decide(now)
@@ -194,7 +199,7 @@ class Closer:
             if event.deleted:
                 state.members.pop(name, None)
                 if name == state.name:
-                    state.expire()
+                    state.key_deleted(event.kv.mod_revision)
                     return True
             elif (member := decode_member(event.kv, prefix, state.trust)) is not None:
                 state.members[name] = member

@@ -2,7 +2,11 @@
 
 Both on one watch stream (one request): a published round wakes each node once, and a
 death wakes only the dead node's successor, which then looks for the next older member,
-or, with none left, becomes the closer (no herd).
+or, with none left, becomes the closer (no herd). The same stream follows the node's own
+key from its last write on: a new announcement (which may make this node the closer: after
+an outage that expired every lease, the first node to announce again is the oldest) or the
+key's loss (this node is then no member until it announces again) ends the watch at once,
+so the watch thread takes up its new role; no other thread need interrupt it.
 """
 
 from __future__ import annotations
@@ -30,39 +34,72 @@ class Follower:
         """
         state = self._state
         with state.cond:
-            pred, targets = state.pred, [WatchTarget(self._keys.round, state.round_seen + 1)]
-            if pred is not None:
-                key = self._keys.members + pred.name.encode()
-                targets.append(WatchTarget(key, state.pred_seen + 1))
+            if state.closer:  # made the closer since the watch loop looked (an announcement)
+                return False
+            targets = {"round": WatchTarget(self._keys.round, state.round_seen + 1)}
+            if state.mine_rev:
+                targets["own"] = WatchTarget(self._own_key, state.mine_rev + 1)
+            if state.pred is not None:
+                key = self._keys.members + state.pred.name.encode()
+                targets["pred"] = WatchTarget(key, state.pred_seen + 1)
+        kinds = list(targets)
         pred_gone = heard = False
 
         def on_events(index: int, batch: list[KeyEvent]) -> bool:
             nonlocal pred_gone, heard
             heard = True
             with state.cond:
-                if index == 0:
+                if kinds[index] == "round":
                     kv, before = batch[-1].kv, state.round
                     state.set_round_kv([kv], kv.mod_revision)
                     # The round key created empty (no round yet) changes nothing here: watch on.
                     return state.round is not before
+                if kinds[index] == "own":
+                    return self._own_events(batch)
                 state.pred_seen = max(e.kv.mod_revision for e in batch)
                 pred_gone = any(e.deleted for e in batch)
                 return pred_gone
 
-        if not self._client.watch_many(targets, IDLE_WATCH_S, on_events, state.watch):
+        if not self._client.watch_many(
+            list(targets.values()), IDLE_WATCH_S, on_events, state.watch
+        ):
             self.resync()
             return True
         if pred_gone:
             self.find_pred()
         return heard
 
+    @property
+    def _own_key(self) -> bytes:
+        return self._keys.members + self._state.name.encode()
+
+    def _own_events(self, batch: list[KeyEvent]) -> bool:
+        """Our own key changed after the watch began (the caller holds the lock): end the
+        watch, so the watch thread looks at its role again (our own announcement may have
+        made this node the closer). If the key is gone (its lease expired, or it was
+        reaped), announce again (:meth:`.NodeState.key_deleted`)."""
+        if batch[-1].deleted:
+            self._state.key_deleted(batch[-1].kv.mod_revision)
+        return True
+
     def find_pred(self) -> None:
-        """Read the next older member key: the new predecessor (none: the closer)."""
-        response = self._client.txn([], [older_members(self._keys, self._state.create_rev)], [])
-        kvs = txn_kvs(response, 0)
-        pred = decode_member(kvs[0], self._keys.members, self._state.trust) if kvs else None
-        with self._state.cond:
-            self._state.set_pred(pred, response.header.revision)
+        """Read the next older member key: the new predecessor (none: the closer). A node
+        whose own key is gone meanwhile (every lease expired in one etcd outage, so its
+        predecessor's did too) is no closer: it announces again first."""
+        state = self._state
+        with state.cond:
+            create_rev = state.create_rev
+        ops = [older_members(self._keys, create_rev), op_get(self._own_key)]
+        response = self._client.txn([], ops, [])
+        kvs, mine = txn_kvs(response, 0), txn_kvs(response, 1)
+        pred = decode_member(kvs[0], self._keys.members, state.trust) if kvs else None
+        with state.cond:
+            if state.create_rev != create_rev:
+                return  # announced again meanwhile: that announcement found the predecessor
+            if not mine or mine[0].create_revision != create_rev:
+                state.expire()
+                return
+            state.set_pred(pred, response.header.revision)
 
     def resync(self) -> None:
         """The watched history was compacted: read the round key and predecessor again."""

@@ -355,7 +355,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             local_world_size=self._local_world_size,
         )
         if self._publisher.announce(announcement):
-            self._follower.find_pred()  # our key was reaped and written anew: the newest
+            self._follower.find_pred()  # the read did not look below our key
 
     def _start_threads(self) -> None:
         if self._threads:

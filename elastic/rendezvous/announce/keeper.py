@@ -149,19 +149,21 @@ class Keeper:
 
     def _keep_alive(self) -> None:
         state = self._state
-        if not self.lease.id or state.expired:
+        lease = self.lease.id
+        if not lease or state.expired:
             return
         self.keepalives += 1
-        if self._client.keepalive(self.lease.id) <= 0:
+        if self._client.keepalive(lease) <= 0:
+            with state.cond:
+                if lease != self.lease.id:
+                    return  # an announcement took a fresh lease meanwhile
+                state.expire()
             logger.warning(
                 "The etcd lease of node '%s' expired (an etcd outage, or this node was too "
                 "slow to renew it); it will rejoin.",
                 self._me,
             )
             events.emit("node.expired", run_id=self._state.run_id, node=self._me)
-            with state.cond:
-                state.expired = True
-                state.cond.notify_all()
         self._outage.record(None)
 
     def _targets(self) -> tuple[list[Member], list[str]]:

@@ -92,8 +92,10 @@ class Publisher:
         """Write this node's key and take the round and the predecessor it read.
 
         Returns:
-            Whether the key was created anew (it had been reaped): this node is then the
-            newest, and must look for its predecessor (:meth:`Follower.find_pred`).
+            Whether this node must look for its predecessor (:meth:`Follower.find_pred`):
+            its key is not the one it knew (reaped and created anew, or written over on a
+            fresh lease: the key kept its place among the members), so the read did not
+            look below it.
 
         Raises:
             EtcdConnectionError: the lease expired again before each of a few tries.
@@ -105,15 +107,19 @@ class Publisher:
         created = mine[0].create_revision if mine else revision
         state = self._state
         with state.cond:
-            recreated = bool(state.create_rev) and created != state.create_rev
+            # The read found our predecessor if it read the keys older than ours: ours was
+            # created by this very write (the two newest: ours and the one before), or it
+            # read those created before the key we knew, and that key is still ours.
+            found = created == revision or created == state.create_rev
             state.create_rev = created
-            pred = [m for m in older if m.name != state.name][:1]
-            if not recreated:
+            state.mine_rev = mine[0].mod_revision if mine else revision
+            pred = [m for m in older if m.name != state.name and m.create_revision < created]
+            if found:
                 state.set_pred(pred[0] if pred else None, revision)
             state.set_round_kv(txn_kvs(response, 1), revision)
             if state.closer:
                 state.touch(time.monotonic())
-        return recreated
+        return not found
 
     def _write(self, announcement: Announcement) -> Any:
         """Put the announcement on this node's lease, signed for that lease and for the
@@ -123,9 +129,9 @@ class Publisher:
         while leases < _ANNOUNCE_TRIES and writes < _WRITE_TRIES:
             if not self._lease.id or state.expired:
                 self._lease.grant()
-                self._mine, state.create_rev = None, 0
+                self._mine = None
                 with state.cond:
-                    state.expired = False
+                    state.expired, state.create_rev = False, 0
             mine = self._mine  # None: absent, we think; create it (its first version)
             compare = compare_mod(self.key, mine.mod_revision) if mine else compare_absent(self.key)
             at = (mine.create_revision, mine.version + 1) if mine else (0, 1)
@@ -139,7 +145,8 @@ class Publisher:
             response = self._client.txn_on_lease([compare], ops, [op_get(self.key)])
             if response is None:
                 leases += 1
-                state.expired = True
+                with state.cond:
+                    state.expire()
             elif response.succeeded:
                 self._mine = txn_kvs(response, 3)[0]
                 return response

@@ -40,8 +40,10 @@ class NodeState:
     stopped: threading.Event = field(default_factory=threading.Event)
     probe_now: threading.Event = field(default_factory=threading.Event)  # wakes the prober
     watch: WatchHandle = field(default_factory=WatchHandle)  # the watch thread's stream
-    # This node's announcement: its key's create_revision, and whether its lease expired.
+    # This node's announcement: its key's create_revision and the revision it was last
+    # written at (the follower watches it from there on), and whether its lease expired.
     create_rev: int = 0
+    mine_rev: int = 0
     expired: bool = False
     # The newest round, and the revisions each watched key was seen up to.
     round: Round = NO_ROUND
@@ -91,7 +93,8 @@ class NodeState:
             self.set_round(NO_ROUND, 0, seen)
 
     def set_pred(self, pred: Member | None, revision: int) -> None:
-        """A new predecessor seen at ``revision``; with none, this node is the closer."""
+        """A new predecessor seen at ``revision``; with none, this node is the closer (unless
+        its own key is gone: it announces again first, :meth:`expire`)."""
         if pred != self.pred:
             self.probe_now.set()
         self.pred = pred
@@ -99,16 +102,27 @@ class NodeState:
         if pred is not None:
             self.ports[pred.name] = pred.probe
             self.closer = False  # an older node is back (after an outage of ours)
-        elif not self.closer:
+        elif not self.closer and not self.expired:
             self.closer = True
             self.members_seen = 0  # read them all once
             logger.info("The node '%s' is the closer of '%s'.", self.name, self.run_id)
 
     def expire(self) -> None:
-        """This node's key is gone (its lease expired, or it was reaped): announce again."""
+        """This node's key is gone (its lease expired, or it was reaped): announce again.
+        A node without a key is no closer: whoever announces first afterwards is the
+        oldest, and a node that took the role while its own key was gone would decide for
+        a view it is no member of (and could never publish)."""
         self.expired = True
         self.closer = False
         self.cond.notify_all()
+
+    def key_deleted(self, revision: int) -> None:
+        """A watch saw this node's key deleted at ``revision``: :meth:`expire`, unless the
+        deletion is of a key this node no longer holds (an announcement is under way on a
+        fresh lease, ``create_rev`` 0, or wrote the key again after it)."""
+        if self.create_rev and revision > self.mine_rev:
+            self.mine_rev = revision  # a watch from here on sees the next announcement
+            self.expire()
 
 
 __all__ = ["NodeState"]
