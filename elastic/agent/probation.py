@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shlex
 import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from elastic import events, procs
+from elastic import events, nodelocal, procs
 from elastic.agent.inplace_host import InPlaceHost
 from elastic.recovery import probation, straggler
 from elastic.recovery.probation import Action, History, Request
@@ -97,10 +98,8 @@ def run_command(command: str, timeout_s: float = PROBE_TIMEOUT_S) -> float:
         return wall
 
 
-def probe_from_env(environ: dict[str, str] | None = None) -> Callable[[], float]:
+def probe_from_env(environ: Mapping[str, str] | None = None) -> Callable[[], float]:
     """The health check: ``$ELASTIC_PROBATION_PROBE``'s command, else the built-in one."""
-    import os
-
     command = (os.environ if environ is None else environ).get(probation.PROBE_ENV, "").strip()
     if command:
         return lambda: run_command(command)
@@ -276,7 +275,7 @@ class Probation:
         return True
 
     def _give_up(self, run_id: str, reason: str, history: History) -> None:
-        logger.warning("This node leaves the job for good: %s.", reason)
+        logger.warning("Probation %d ends, the node exits 0: %s.", self.count, reason)
         events.emit(
             "probation.gave_up",
             run_id=run_id,
@@ -293,8 +292,6 @@ def _rounded(seconds: float | None) -> float | None:
 
 def request_path(owner: int) -> Path | None:
     """Where a worker of agent ``owner`` leaves its request (None without the directory)."""
-    from elastic import nodelocal
-
     folder = nodelocal.find(owner)
     return None if folder is None else folder / probation.REQUEST
 

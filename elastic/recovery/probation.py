@@ -133,7 +133,7 @@ def decide(history: History, measurement: float | None, now: float, options: Opt
     if ok:
         return Decision(Action.REJOIN, f"{why}: it rejoins", None, after)
     if after.failures >= options.max_failures:
-        reason = f"{why}; {after.failures} failed checks: it leaves the job for good"
+        reason = f"{why}; {after.failures} failed check(s): it leaves the job for good"
         return Decision(Action.LEAVE, reason, None, after)
     wait = backoff(after.failures, options)
     return Decision(Action.WAIT, f"{why}; next check in {wait:g} s", now + wait, after)

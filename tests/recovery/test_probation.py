@@ -96,3 +96,37 @@ def test_a_dropped_node_checks_its_health_and_rejoins(
         f"{rejoined['rendezvous_s']} s); first step at world 3 after it: step {back['step']}, "
         f"{back['ts'] - rejoined['ts']:.2f} s later; job {took:.1f} s"
     )
+
+
+@pytest.mark.timeout(180)
+def test_a_node_that_fails_its_checks_leaves_for_good(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Its probe fails (exit 1): after the bound (here one failed check) it leaves the job
+    for good with exit 0, and the others finish the job without it (the rendezvous stays
+    open to them: the leave is not the job's end)."""
+    from tests.recovery.test_inplace import _check_result, _reference
+    from tests.recovery.test_straggler import SLOW_ENV, _args
+
+    epochs = 6
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    _reference(ref, epochs)
+    worker = [str(STRAGGLER), *_args(out, epochs), "--step-delay=0.05"]
+    extra = {"ELASTIC_STRAGGLER": "2,3", "ELASTIC_PROBATION": "1,1,1"}
+    failing = f"{sys.executable} -c {shlex.quote('raise SystemExit(1)')}"
+    slowed = {**extra, SLOW_ENV: "3,8", "ELASTIC_PROBATION_PROBE": failing}
+    nodes = {
+        name: cluster.start(
+            name, worker=worker, extra_env=slowed if name == "c" else extra, nnodes="2:3"
+        )
+        for name in "abc"
+    }
+    gave_up = cluster.wait_for(lambda: cluster.events("probation.gave_up"), "gave up", 120)[0]
+    assert nodes["c"].wait(60) == 0, cluster.logs()
+    assert nodes["a"].wait(120) == 0 and nodes["b"].wait(120) == 0, cluster.logs()
+    assert gave_up["pid"] == nodes["c"].pid and gave_up["checks"] == 1, gave_up
+    checks = cluster.events("probation.check")
+    assert [c["passed"] for c in checks] == [False] and checks[0]["seconds"] is None, checks
+    assert not cluster.events("node.rejoin")
+    assert cluster.first_step_after(gave_up["ts"], 2) is not None, "no step after it left"
+    _check_result(cluster, out, ref, epochs)

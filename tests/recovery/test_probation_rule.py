@@ -231,7 +231,7 @@ def test_sit_out_gives_up_after_the_bound(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
     sitter, ran = _sitter([INF] * 4)
     rejoined: list[object] = []
-    with pytest.raises(SignalException, match="4 failed checks"):
+    with pytest.raises(SignalException, match="4 failed check"):
         sitter.sit_out(
             REQUEST,
             _group(),
