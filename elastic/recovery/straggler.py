@@ -13,8 +13,8 @@ The rule:
   slowest rank's time over the median of the nodes' (the unit that is dropped is a node).
 * A node is **slow** at a step when its ratio exceeds ``ratio`` (X). After ``steps`` (K)
   consecutive slow steps it is **detected** (event ``straggler.detected``, once per
-  crossing). A step some rank did not measure (the first one, the one after a re-form)
-  leaves the counts as they are.
+  crossing). A step some rank did not measure (the first one, the one after a re-form or
+  a join) starts the counts anew: the group changed, and a joiner has no counts to keep.
 * With fewer than :data:`MIN_NODES_TO_NAME` nodes nothing is named: the median of two
   nodes is their mean, which cannot say which of the two is slow (one at half speed and
   one at full speed read 1.33 and 0.67, or, on a loaded host, the other way round).
@@ -22,9 +22,11 @@ The rule:
 * The **policy** (off by default, :func:`options_from_env`): a detected node is dropped
   (in place, like a planned leave) unless that would leave fewer than ``min_nodes`` nodes,
   or a node was dropped less than ``window_s`` ago (at most one node per window; the
-  slowest goes first). A dropped node sits out on probation and rejoins once its health
-  check passes (:mod:`elastic.recovery.probation`). On a two-node job nothing is named, so
-  nothing is dropped.
+  slowest goes first). The window's age is the youngest any rank reports in its slots
+  (:attr:`View.since_drop`), so every rank, a joiner too, reads the same. A dropped node
+  sits out on probation and rejoins once its health check passes
+  (:mod:`elastic.recovery.probation`). On a two-node job nothing is named, so nothing is
+  dropped.
 
 :func:`hang_bound` is the bound after which a step that has not reached its collectives
 counts as stuck (:mod:`elastic.recovery.hang`).
@@ -40,7 +42,9 @@ from types import MappingProxyType
 
 from elastic.errors import ConfigError
 
-SLOTS = ("compute_s", "wait_s", "node")  # each rank's slots in the agreement vector
+# each rank's slots in the agreement vector; since_drop_s: seconds since the last drop this
+# rank knows of (0: none), so that a joiner keeps the window as the others do
+SLOTS = ("compute_s", "wait_s", "node", "since_drop_s")
 MIN_NODES_TO_NAME = 3
 ENV = "ELASTIC_STRAGGLER"  # "X,K" turns the policy on; unset/"off": detection only
 MIN_NODES_ENV = "ELASTIC_STRAGGLER_MIN_NODES"  # never drop below this many nodes
@@ -70,6 +74,7 @@ class View:
     compute: tuple[float, ...]
     wait: tuple[float, ...]
     nodes: tuple[int, ...]
+    since_drop: tuple[float, ...] = ()  # per rank: seconds since the last drop it knows; 0: none
 
 
 @dataclass(frozen=True)
@@ -116,9 +121,8 @@ def node_times(view: View) -> dict[int, tuple[float, tuple[int, ...]]]:
 def decide(view: View, state: State, now: float, options: Options) -> Decision:
     """The slow nodes at ``view``'s step, and whether one is dropped now (see the module)."""
     if not view.compute or min(view.compute) <= 0:
-        return Decision(
-            (), (), None, "not measured at this step (the first one, or a re-form)", state
-        )
+        reason = "not measured at this step (the first one, or a re-form): counts start anew"
+        return Decision((), (), None, reason, State(MappingProxyType({}), state.last_drop))
     per_rank = ratios(view.compute)
     nodes = node_times(view)
     if len(nodes) < MIN_NODES_TO_NAME:
@@ -148,11 +152,21 @@ def decide(view: View, state: State, now: float, options: Options) -> Decision:
     if len(nodes) - 1 < options.min_nodes:
         reason = f"{what}; dropping it would leave fewer than {options.min_nodes} nodes"
         return Decision(per_rank, detected, None, reason, kept)
-    if state.last_drop is not None and now - state.last_drop < options.window_s:
-        reason = f"{what}; a node was dropped {now - state.last_drop:.1f} s ago (one per window)"
+    age = last_drop_age(view, state, now)
+    if age is not None and age < options.window_s:
+        reason = f"{what}; a node was dropped {age:.1f} s ago (one per window)"
         return Decision(per_rank, detected, None, reason, kept)
     dropped = State(MappingProxyType({}), now)
     return Decision(per_rank, detected, worst, f"{what}: it is dropped", dropped)
+
+
+def last_drop_age(view: View, state: State, now: float) -> float | None:
+    """Seconds since the last drop: the youngest age a rank reports in ``view`` (the same on
+    every rank), else this rank's own record (None: no drop known)."""
+    reported = [a for a in view.since_drop if a > 0]
+    if reported:
+        return min(reported)
+    return None if state.last_drop is None else now - state.last_drop
 
 
 def hang_bound(recent_steps_s: tuple[float, ...], floor_s: float, multiple: float) -> float:
@@ -230,6 +244,7 @@ __all__ = [
     "decide",
     "hang_bound",
     "hang_from_env",
+    "last_drop_age",
     "options_from_env",
     "ratios",
 ]

@@ -72,7 +72,9 @@ class StepTimes:
         first step, or one that a re-form interrupted)."""
         now, waited, reforms = time.perf_counter(), self._waited(), self.run.reforms
         mark, self._mark = self._mark, (now, waited, reforms)
-        out = {"compute_s": 0.0, "wait_s": 0.0, "node": float(self.node)}
+        out = {"compute_s": 0.0, "wait_s": 0.0, "node": float(self.node), "since_drop_s": 0.0}
+        if self.state.last_drop is not None:  # the window, for a joiner to read too
+            out["since_drop_s"] = max(time.monotonic() - self.state.last_drop, 1e-6)
         if mark is None or mark[2] != reforms:
             return out
         total, wait = now - mark[0], max(0.0, waited - mark[1])
@@ -93,6 +95,7 @@ class StepTimes:
             tuple(s[0] for s in tally.slots),
             tuple(s[1] for s in tally.slots),
             tuple(round(s[2]) for s in tally.slots),
+            tuple(s[3] for s in tally.slots),
         )
         decision = straggler.decide(view, self.state, time.monotonic(), self.options)
         self.state, self.last, self.view = decision.state, decision, view

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -44,7 +45,8 @@ def test_ratios_are_to_the_median() -> None:
         ([[1, 1, 3]] * 5, 2, 2),  # K=3 consecutive steps: named and dropped at the third
         ([[1, 1, 3], [1, 1, 3], [1, 1, 1], [1, 1, 3], [1, 1, 3], [1, 1, 3]], 5, 5),  # reset
         ([[1, 1, 1.9]] * 6, None, None),  # below X
-        ([[1, 1, 3], [0, 0, 0], [1, 1, 3], [1, 1, 3]], 3, 3),  # an unmeasured step: kept
+        ([[1, 1, 3], [1, 1, 3], [0, 0, 0], [1, 1, 3], [1, 1, 3]], None, None),  # anew
+        ([[1, 1, 3], [0, 0, 0], [1, 1, 3], [1, 1, 3], [1, 1, 3]], 4, 4),  # after a re-form
     ],
 )
 def test_k_consecutive_steps_above_x(
@@ -105,6 +107,21 @@ def test_one_drop_per_window() -> None:
     assert [n for _, n in drops] == [3, 4]
 
 
+def test_a_joiner_keeps_the_window_the_others_report() -> None:
+    """Every rank reports the age of the last drop it knows in its slots: a rank with no
+    record of its own (a joiner, a node back from probation) reads the same window."""
+    compute = (1.0, 1.0, 1.0, 4.0)
+    joiner = State(MappingProxyType({3: 2}))  # it never saw the drop 10 s ago
+    ages = (10.0, 10.0, 10.0, 0.0)  # the others report it; the joiner reports none
+    view = View(5, compute, (0.0,) * 4, (0, 1, 2, 3), ages)
+    d = decide(view, joiner, 1000.0, ON)
+    assert d.detected and d.drop is None and "dropped 10.0 s ago" in d.reason
+    late = View(5, compute, (0.0,) * 4, (0, 1, 2, 3), (61.0, 61.0, 61.0, 0.0))
+    assert decide(late, joiner, 1000.0, ON).drop is not None
+    assert straggler.last_drop_age(late, State(last_drop=990.0), 1000.0) == 61.0
+    assert straggler.last_drop_age(View(5, compute, compute, (0,) * 4), State(), 1.0) is None
+
+
 def test_hang_bound() -> None:
     assert straggler.hang_bound((), 5.0, 10.0) == 5.0
     assert straggler.hang_bound((1.0, 1.0, 9.0), 5.0, 10.0) == 10.0
@@ -147,9 +164,9 @@ def test_slots_ride_on_the_agreement_vector() -> None:
         summed += layout.build(Vote(), (1.0, 1.0), rank, slots)
     tally = layout.parse(summed)
     assert tally.slots == (
-        (0.1, 0.0, 4e9),
-        (0.2, 0.01, 4e9 + 1),
-        (0.30000000000000004, 0.02, 4e9 + 2),
+        (0.1, 0.0, 4e9, 0.0),
+        (0.2, 0.01, 4e9 + 1, 0.0),
+        (0.30000000000000004, 0.02, 4e9 + 2, 0.0),
     )
     assert tally.weight == 3.0
 
@@ -291,7 +308,7 @@ def test_step_times_measure_and_ask_for_probation_or_leave(
     run.reforms = 1
     assert times.slots()["compute_s"] == 0.0  # a re-form in between: not measured
 
-    slow = ((1.0, 0.0, 7.0), (1.0, 0.0, 8.0), (3.0, 0.0, float(times.node)))
+    slow = ((1.0, 0.0, 7.0, 0.0), (1.0, 0.0, 8.0, 0.0), (3.0, 0.0, float(times.node), 0.0))
     for step in (1, 2):
         run.step = step
         times.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
