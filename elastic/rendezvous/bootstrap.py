@@ -19,12 +19,12 @@ clients either way.
 Who can reach it. The agent binds the listening socket itself, to the address the node
 announced (``--local-addr``, else its FQDN): the store is reachable only through that
 address, not through the node's other interfaces. torch's TCPStore server has no
-authentication and no bound on what a client stores; with ``ELASTIC_BOUNDED_STORE=1`` the
-agent serves the store with its own server of torch's protocol,
-:mod:`elastic.rendezvous.boundstore`, which bounds keys, bytes and connections (by default:
-torch's server, handed the socket through ``master_listen_fd``, unbounded). Anyone who can
-reach that address can still read and write keys (within the bounds) while the round runs:
-keep the nodes' network to the job (a firewall or network policy), as for torch's own stores.
+authentication and no bound on what a client stores, so the agent serves the store with its
+own server of torch's protocol, :mod:`elastic.rendezvous.boundstore`, which bounds keys, bytes
+and connections. ``ELASTIC_BOUNDED_STORE=0`` hosts torch's server instead (handed the socket
+through ``master_listen_fd``, unbounded). Anyone who can reach that address can still read and
+write keys (within the bounds) while the round runs: keep the nodes' network to the job (a
+firewall or network policy), as for torch's own stores.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class BootstrapStore:
     def hosting(self) -> bool:
         """Whether this agent hosts the current round's store."""
         return self._server is not None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether this agent hosts the current round's store with the bounded server."""
+        return isinstance(self._server, BoundedStore)
 
     def reserve(self, addr: str) -> int:
         """Bind a port for the store on ``addr`` now and hold it: the port to announce.
@@ -152,7 +157,7 @@ def _host(
     addr: str, port: int, timeout: timedelta, sock: socket.socket | None = None
 ) -> TCPStore | BoundedStore | None:
     """The store on ``sock`` (the held port), else on a socket bound to ``addr:port`` now:
-    torch's, or the bounded server with ``ELASTIC_BOUNDED_STORE=1``."""
+    the bounded server, or torch's with ``ELASTIC_BOUNDED_STORE=0``."""
     try:
         sock = sock or listen_on(addr, port)
     except OSError as exc:
@@ -163,9 +168,9 @@ def _host(
             exc,
         )
         return None
-    if env.flag(env.BOUNDED_STORE, default=False):
+    if env.flag(env.BOUNDED_STORE, default=True):
         try:
-            return BoundedStore(sock)
+            server = BoundedStore(sock)
         except OSError as exc:
             sock.close()
             logger.warning(
@@ -174,8 +179,10 @@ def _host(
                 exc,
             )
             return None
+        logger.debug("Hosting the bootstrap store on port %d (bounded server).", port)
+        return server
     try:
-        server = TCPStore(
+        torch_server = TCPStore(
             addr,
             port,
             is_master=True,
@@ -192,7 +199,8 @@ def _host(
         )
         return None
     sock.detach()  # the store owns the socket now, and closes it when it stops
-    return server
+    logger.debug("Hosting the bootstrap store on port %d (torch's server).", port)
+    return torch_server
 
 
 def wait_listening(addr: str, port: int, timeout: float) -> bool:

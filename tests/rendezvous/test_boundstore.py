@@ -465,3 +465,27 @@ def test_pipelined_requests_and_a_client_that_never_reads(server: Server) -> Non
     assert server.client().get("k") == b"x" * MiB  # answered after the slow client's asks
     assert server.rss() - before < 16 * MiB
     slow.close()
+
+
+@pytest.mark.parametrize(("flag", "bounded"), [(None, True), ("1", True), ("0", False)])
+def test_the_agent_hosts_the_bounded_store_unless_the_flag_is_off(
+    monkeypatch: pytest.MonkeyPatch, flag: str | None, bounded: bool
+) -> None:
+    """By default the agent hosts the round's store with the bounded server;
+    ``ELASTIC_BOUNDED_STORE=0`` hosts torch's own. torch's client works with either."""
+    from elastic.rendezvous.bootstrap import BootstrapStore
+
+    if flag is None:
+        monkeypatch.delenv("ELASTIC_BOUNDED_STORE", raising=False)
+    else:
+        monkeypatch.setenv("ELASTIC_BOUNDED_STORE", flag)
+    boot = BootstrapStore()
+    port = boot.reserve("127.0.0.1")
+    boot.start_round(0, "127.0.0.1", port)
+    try:
+        assert boot.hosting and boot.bounded == bounded
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("k", "v")
+        assert client.get("k") == b"v" and client.add("n", 2) == 2
+    finally:
+        boot.close()
