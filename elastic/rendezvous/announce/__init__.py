@@ -55,7 +55,12 @@ race on one key, so a round costs O(N) writes per node. Here:
   key's ``stale`` (name -> its key's ``mod_revision``); it is no joiner until it
   announces again, so a new round is not re-formed at once to take in a dead node.
 * **Outages.** Requests ride out an unreachable etcd as :class:`EtcdClient` does; a node
-  whose lease expired meanwhile finds itself DROPPED and rejoins with a fresh lease.
+  whose lease expired meanwhile finds itself DROPPED and rejoins with a fresh lease. It learns
+  that from its keep-alive or at once from its watch, which follows its own key too: a node
+  without a key is no closer. An outage longer than the lease expires every key at once; the
+  first node to announce again is then the oldest, hence the closer, and its own
+  announcement (on the agent's thread) ends its watch thread's follower watch, so the new
+  round forms as soon as every node is back.
 
 etcd cost per node per round: a joiner makes one transaction and one watch; the closer
 adds one prefix read when it takes the role, one watch per wake and one publishing
