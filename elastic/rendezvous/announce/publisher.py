@@ -100,17 +100,17 @@ class Publisher:
         Raises:
             EtcdConnectionError: the lease expired again before each of a few tries.
         """
-        response = self._write(announcement)
+        response, below = self._write(announcement)
         revision = response.header.revision
         older = decode_members(txn_kvs(response, 2), self._keys.members, self._state.trust)
         mine = txn_kvs(response, 3)
         created = mine[0].create_revision if mine else revision
         state = self._state
         with state.cond:
-            # The read found our predecessor if it read the keys older than ours: ours was
-            # created by this very write (the two newest: ours and the one before), or it
-            # read those created before the key we knew, and that key is still ours.
-            found = created == revision or created == state.create_rev
+            # The read found our predecessor if it read the keys older than ours: those
+            # created before the key we knew, still ours; or, knowing none, the two newest,
+            # ours being created by this very write.
+            found = created == below if below else created == revision
             state.create_rev = created
             state.mine_rev = mine[0].mod_revision if mine else revision
             pred = [m for m in older if m.name != state.name and m.create_revision < created]
@@ -121,9 +121,11 @@ class Publisher:
                 state.touch(time.monotonic())
         return not found
 
-    def _write(self, announcement: Announcement) -> Any:
+    def _write(self, announcement: Announcement) -> tuple[Any, int]:
         """Put the announcement on this node's lease, signed for that lease and for the
-        version of the key it creates, in a fresh lease when there is none or it expired."""
+        version of the key it creates, in a fresh lease when there is none or it expired.
+        The response, and the create_revision below which it read the members (0: it read
+        the two newest)."""
         state = self._state
         leases = writes = 0
         while leases < _ANNOUNCE_TRIES and writes < _WRITE_TRIES:
@@ -133,13 +135,14 @@ class Publisher:
                 with state.cond:
                     state.expired, state.create_rev = False, 0
             mine = self._mine  # None: absent, we think; create it (its first version)
+            below = state.create_rev
             compare = compare_mod(self.key, mine.mod_revision) if mine else compare_absent(self.key)
             at = (mine.create_revision, mine.version + 1) if mine else (0, 1)
             value = state.trust.seal(self.key, announcement, lease=self._lease.id, at=at)
             ops = [
                 op_put(self.key, value, self._lease.id),
                 op_get(self._keys.round),
-                older_members(self._keys, state.create_rev),
+                older_members(self._keys, below),
                 op_get(self.key),
             ]
             response = self._client.txn_on_lease([compare], ops, [op_get(self.key)])
@@ -149,7 +152,7 @@ class Publisher:
                     state.expire()
             elif response.succeeded:
                 self._mine = txn_kvs(response, 3)[0]
-                return response
+                return response, below
             else:  # someone else wrote or deleted our key: write over what is there
                 writes += 1
                 kvs = txn_kvs(response, 0)
