@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic.etcd.client import EtcdClient, EtcdOptions, op_delete, parse_endpoints
 from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.announce import AnnounceRendezvousHandler, build_announce_handler
 from elastic.rendezvous.contract import ChangeKind, MembershipChange
@@ -121,3 +122,22 @@ def test_a_round_forms_again_after_etcd_froze_past_every_lease(
     assert ChangeKind.DROPPED in kinds, [a.changes for a in agents]
     seconds = max(a.rounds[1][1] for a in agents) - thawed
     print(f"every node joined round {agents[0].rounds[1][0]} {seconds:.2f} s after the thaw")
+
+
+def test_a_live_node_whose_key_was_deleted_rejoins_at_once(
+    agents: list[Agent], own_etcd: EtcdServer
+) -> None:
+    """A key deleted under a live node (a mistaken reap, or an operator): the node learns it
+    from its watch (its own key's deletion, or the round's ``lost``) and rejoins, and the
+    round forms again with every node."""
+    wait_until(lambda: all(a.rounds for a in agents), 30, "the first round")
+    first = agents[0].rounds[0][0]
+    victim = agents[-1].handler
+    with EtcdClient(EtcdOptions(parse_endpoints(own_etcd.endpoint)[0])) as client:
+        client.txn([], [op_delete(victim._keys.members + victim.name.encode())], [])
+    deleted = time.monotonic()
+    wait_until(lambda: all(len(a.rounds) >= 2 for a in agents), REFORM_BOUND_S, "a new round")
+    assert {a.rounds[1][0] for a in agents} == {first + 1}, [a.rounds for a in agents]
+    assert agents[-1].changes, "the node whose key was deleted saw no change"
+    seconds = max(a.rounds[1][1] for a in agents) - deleted
+    print(f"every node joined round {first + 1} {seconds:.2f} s after the deletion")
