@@ -36,6 +36,14 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "rendezvous without waiting for their heartbeats to expire: nodes",
         "node.expired": "an agent's own etcd lease expired while it ran (etcd stalled, or the "
         "agent too slow to renew it): its round goes on without it and it rejoins: node",
+        "node.probation": "a node dropped as a straggler left its round in place and sits out: "
+        "step, ratio, median_s, baseline_s, next check",
+        "probation.check": "a node on probation timed its health check: seconds, baseline_s, "
+        "passed, failures, next check",
+        "node.rejoin": "a node back from probation joined a round again: round, world_size, "
+        "seconds on probation, rendezvous seconds",
+        "probation.gave_up": "a node on probation failed its checks (or was dropped a third "
+        "time) and left the job for good (exit 0)",
         "worker.restart": "an agent restarts its workers: reason 'reform' (a membership "
         "change) or 'failure' (spends the job's restart budget, kept in etcd)",
         "worker.frozen": "an agent ended a worker stopped (SIGSTOP) for FROZEN_S seconds so "
