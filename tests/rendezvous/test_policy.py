@@ -50,6 +50,15 @@ def back(m: Member, after: int) -> Member:
     return Member(**{**m.__dict__, "after": after, "mod_revision": m.mod_revision + 100})
 
 
+def anew(m: Member, after: int) -> Member:
+    """``m`` announced again after leaving round ``after`` with its key created anew (its
+    lease expired: created by that write)."""
+    revision = m.create_revision + 100
+    return Member(
+        **{**m.__dict__, "after": after, "create_revision": revision, "mod_revision": revision}
+    )
+
+
 @dataclass(frozen=True)
 class Row:
     view: View
@@ -82,6 +91,34 @@ ROWS = {
     ),
     "early close with the newcomer joining named": Row(
         view(round_of(3, "a", "b", joining=("d",)), back(A, 3), back(B, 3), D),
+        0.1,
+        Action.PUBLISH,
+        "early close",
+        0.1,
+    ),
+    "every key expired (an etcd outage), every member back: early close": Row(
+        view(round_of(3, "a", "b", "c"), anew(A, 3), anew(B, 3), anew(C, 3)),
+        0.1,
+        Action.PUBLISH,
+        "every live member of round 3 is back (early close)",
+        0.1,
+    ),
+    "every key expired, one member not back yet: the last call runs": Row(
+        view(round_of(3, "a", "b", "c"), anew(A, 3), anew(B, 3)),
+        0.1,
+        Action.UPDATE,  # tells the round that c's key is gone
+        "2 ready, the last call runs",
+        2.0,
+    ),
+    "every key expired, the last call passed without one member": Row(
+        view(round_of(3, "a", "b", "c", lost=("c",)), anew(A, 3), anew(B, 3)),
+        2.5,
+        Action.PUBLISH,
+        "2 ready and the last call passed",
+        2.5,
+    ),
+    "a member back kept its key: the one without a key is dead, early close": Row(
+        view(round_of(3, "a", "b", "c"), back(A, 3), anew(B, 3)),
         0.1,
         Action.PUBLISH,
         "early close",

@@ -118,15 +118,28 @@ def unready(view: View) -> list[Member]:
     return running if ready else []
 
 
+def renewed(member: Member) -> bool:
+    """Whether ``member``'s key was created by its last write: a key created anew (its lease
+    expired, or it was reaped), not the one it announced earlier rounds with."""
+    return member.mod_revision == member.create_revision
+
+
 def early(view: View, ready: list[Member], running: list[Member]) -> list[Member] | None:
     """The early close: the open round only re-forms the newest one (with the newcomers its
     ``joining`` named), and every one of them still alive has announced again: its
     participants. None for a run's first round, or while someone is missing. A newcomer
-    not named waits for the next round (the wait list), where it gets its last call."""
+    not named waits for the next round (the wait list), where it gets its last call.
+
+    A member without a key is dead, unless no member that is back kept its key: an etcd
+    outage longer than the leases expired every key at once, and one not back yet may only
+    be slower to announce again; then every member and named newcomer must be back (else
+    the last call decides)."""
     previous = view.round.members
     if not previous or running or not ready:
         return None
-    expected = (set(previous) | set(view.round.joining)) & set(view.members)
+    expected = set(previous) | set(view.round.joining)
+    if any(m.name in previous and not renewed(m) for m in ready):
+        expected &= set(view.members)
     chosen = [m for m in ready if m.name in expected]
     if len(chosen) != len(expected) or len(chosen) < view.limits.min_nodes:
         return None
@@ -360,6 +373,7 @@ __all__ = [
     "membership_change",
     "next_round",
     "probe_targets",
+    "renewed",
     "split",
     "tell_running",
     "unready",
