@@ -66,11 +66,12 @@ class Agent:
 
 @pytest.fixture
 def agents(own_etcd: EtcdServer, run_id: str) -> Iterator[list[Agent]]:
-    """Three nodes (3:3) on fast-failover, each in a thread; stopped and closed after."""
+    """Three nodes of 3:4 on fast-failover (a round re-forms by the early close, not by
+    max_nodes), each in a thread; stopped and closed after."""
     made = []
     for _ in range(3):
         params = RendezvousParameters(
-            "etcd-v3", own_etcd.endpoint, run_id, 3, 3, local_addr="127.0.0.1", **CONF
+            "etcd-v3", own_etcd.endpoint, run_id, 3, 4, local_addr="127.0.0.1", **CONF
         )
         made.append(Agent(build_announce_handler(params, RendezvousOptions.from_params(params))))
     stop = threading.Event()
