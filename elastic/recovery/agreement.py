@@ -107,7 +107,13 @@ class StepEnd:
         flags = layout.build(vote, loss, run.rank, self.times.slots())
         run._loss.zero_()
         began = time.perf_counter()
-        agreed = run._group.agree(flags)
+        if self._hang is not None:
+            self._hang.agreeing = True  # a peer stuck in its step holds this wait
+        try:
+            agreed = run._group.agree(flags)
+        finally:
+            if self._hang is not None:
+                self._hang.agreeing = False
         self.times.agreed(time.perf_counter() - began)
         tally = layout.parse(flags) if agreed else None
         if tally is not None:

@@ -48,6 +48,7 @@ POLL_S = 0.05
 MAX_STACKS = 32_000  # characters of stacks kept in the event
 ARRIVED_PREFIX = "elastic/arrived"  # <round>/<step>/<rank>: that rank waits in the step
 ROLL_CALL_GRACE_S = 0.3  # the waiting ranks mark themselves within this of one another
+MARK_WAIT_S = 3 * POLL_S  # a stuck rank waits this long at most for the waiting ranks' marks
 
 # The round's store, its number and its world size; None off the in-place path.
 RoundStore = Callable[[], "tuple[Any, int, int] | None"]
@@ -68,8 +69,13 @@ def roll_call(
     store.set(f"{prefix}/{rank}", "1")
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + grace_s
+    present = [rank]
     while True:
-        present = [r for r, key in enumerate(keys) if store.check([key])]
+        try:
+            present = [r for r, key in enumerate(keys) if store.check([key])]
+        except Exception as exc:  # the round's store closed (a new round): what was seen
+            logger.info("The roll call of step %d ended early: %s", step, exc)
+            deadline = 0.0
         if len(present) == world_size or time.monotonic() >= deadline:
             return absent(world_size, present), min(present, default=rank) == rank
         time.sleep(POLL_S)
@@ -100,19 +106,21 @@ class HangWatch:
         self.describe = describe
         self.exit = exit
         self.limits = straggler.hang_from_env() if guard is not None else None
-        self._step_began: float | None = None  # None: between steps (at the boundary)
+        self._step_began: float | None = None  # when the step (or the last one) began
+        self._in_step = False  # False at the boundary
+        self.agreeing = False  # set around the boundary's agreement (it waits for peers)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def pause(self) -> None:
         """The step reached its boundary: the agreement, a save or a re-form is not a step."""
-        self._step_began = None
+        self._in_step = False
 
     def resume(self) -> None:
         """A step begins now."""
         if self.limits is None:
             return
-        self._step_began = time.monotonic()
+        self._step_began, self._in_step = time.monotonic(), True
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="elastic-hang", daemon=True)
             self._thread.start()
@@ -128,17 +136,25 @@ class HangWatch:
         """Seconds this rank's step has run past the bound while none of its collectives
         was in flight; None when it is not stuck."""
         began = self._step_began
-        if began is None or self.guard.in_flight_since() is not None:
+        if began is None or not self._in_step or self.guard.in_flight_since() is not None:
             return None
         return now - began if now - began > self.bound() else None
 
     def waiting_for(self, now: float) -> float | None:
-        """Seconds this rank's step has run past the bound while a collective of it was in
-        flight (it arrived; a peer has not); None otherwise."""
+        """Seconds since this rank's step began, past the bound, while it waits in a
+        collective of the step or in the step's agreement (it arrived; a peer has not);
+        None otherwise (a save or a re-form is no such wait)."""
         began = self._step_began
-        if began is None or self.guard.in_flight_since() is None:
+        waiting = self._in_step or self.agreeing
+        if began is None or not waiting or self.guard.in_flight_since() is None:
             return None
         return now - began if now - began > self.bound() else None
+
+    def step_in_question(self) -> tuple[int, int]:
+        """``(rank, the step it runs or agrees on)``: inside a step, the one after the
+        completed ``run.step``; in the agreement, the step just completed."""
+        rank, completed = self.describe()
+        return rank, completed + 1 if self._in_step else completed
 
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -158,7 +174,7 @@ class HangWatch:
     def name_absent(self, seconds: float) -> None:
         """Once per step: the roll call of the waiting ranks; the lowest of them names the
         ranks that never reached the step's collectives (event ``worker.hang.peers``)."""
-        rank, step = self.describe()
+        rank, step = self.step_in_question()
         found = self.round_store() if self.round_store is not None else None
         if found is None or self._named == step:
             return
@@ -186,7 +202,7 @@ class HangWatch:
 
     def give_up(self, seconds: float) -> None:
         """Record the stacks and the hang, then end this process."""
-        rank, step = self.describe()
+        rank, step = self.step_in_question()
         bound = self.bound()
         logger.error(
             "Rank %d has been inside step %d for %.1f s (bound %.1f s) and never reached its "
@@ -198,6 +214,7 @@ class HangWatch:
             bound,
         )
         stacks = dump_stacks()
+        self.await_roll_call(rank, step)
         events.emit("worker.stacks", rank=rank, step=step, pid=os.getpid(), stacks=stacks)
         events.emit(
             "worker.hang",
@@ -208,6 +225,24 @@ class HangWatch:
             bound_s=round(bound, 3),
         )
         self.exit(reform.FAILED)
+
+    def await_roll_call(self, rank: int, step: int) -> None:
+        """Before this stuck rank ends (which ends its peers' wait), give the waiting ranks
+        up to :data:`MARK_WAIT_S` to begin their roll call (their marks appear), so that
+        they name it too: their watches tripped at the same bound, a poll apart."""
+        found = self.round_store() if self.round_store is not None else None
+        if found is None:
+            return
+        store, round_, world_size = found
+        keys = [f"{ARRIVED_PREFIX}/{round_}/{step}/{r}" for r in range(world_size) if r != rank]
+        deadline = time.monotonic() + MARK_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if store.check(keys):
+                    return
+            except Exception:  # the store is gone: nobody can call the roll
+                return
+            time.sleep(POLL_S / 5)
 
 
 def dump_stacks() -> str:

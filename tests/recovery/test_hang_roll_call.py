@@ -67,15 +67,20 @@ def test_a_waiting_watch_names_its_stuck_peer_once_per_step(
         exit=exits.append,
         round_store=lambda: (store, 3, 2),
     )
-    watch._step_began = 100.0
+    watch._step_began, watch._in_step = 100.0, True
     assert watch.waiting_for(101.0) is None  # inside the bound
     seconds = watch.waiting_for(103.0)
     assert seconds == 3.0 and watch.stuck_for(103.0) is None
     watch.name_absent(seconds)
     watch.name_absent(seconds)  # the same step: no second roll call
     named = events.read(tmp_path / "events.jsonl", "worker.hang.peers")
-    assert [(e["rank"], e["step"], e["ranks"], e["round"]) for e in named] == [(0, 9, [1], 3)]
+    # Inside step 10 (9 completed).
+    assert [(e["rank"], e["step"], e["ranks"], e["round"]) for e in named] == [(0, 10, [1], 3)]
     assert exits == []
+    watch.pause()
+    assert watch.waiting_for(104.0) is None  # a save or a re-form is no such wait
+    watch.agreeing = True  # the boundary's agreement waits for a peer still in its step
+    assert watch.waiting_for(104.0) == 4.0 and watch.step_in_question() == (0, 9)
 
 
 def test_off_the_in_place_path_nobody_is_named(
@@ -84,6 +89,30 @@ def test_off_the_in_place_path_nobody_is_named(
     monkeypatch.setenv("ELASTIC_HANG", "2,5")
     monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
     watch = HangWatch(_Guard(since=100.2), lambda: (), lambda: (0, 9), round_store=lambda: None)
-    watch._step_began = 100.0
+    watch._step_began, watch._in_step = 100.0, True
     watch.name_absent(3.0)
     assert events.read(tmp_path / "events.jsonl", "worker.hang.peers") == []
+
+
+class _Closing:
+    """A store that closes after the first full read (a new round replaced the old one)."""
+
+    def __init__(self, store: dist.TCPStore, reads: int) -> None:
+        self.store, self.reads = store, reads
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self.reads -= 1
+        if self.reads < 0:
+            raise RuntimeError("Failed to recv, got 0 bytes.")
+        return bool(self.store.check(keys))
+
+
+def test_a_store_that_closes_mid_roll_call_ends_it_with_what_was_seen(
+    store: dist.TCPStore,
+) -> None:
+    store.set("elastic/arrived/2/4/1", "1")
+    missing, lowest = roll_call(_Closing(store, reads=3), 2, 4, 0, 3, grace_s=5.0)
+    assert (missing, lowest) == ([2], True)

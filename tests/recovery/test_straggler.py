@@ -127,6 +127,9 @@ def test_a_stuck_worker_is_named_and_the_group_goes_on(
     stacks = cluster.events("worker.stacks")
     assert stacks and "_hang" in stacks[0]["stacks"], stacks
     assert hang["seconds"] >= bound and hang["bound_s"] >= bound, hang
+    # The rank that waited names the one that never reached the step's collectives.
+    named = cluster.wait_for(lambda: cluster.events("worker.hang.peers"), "worker.hang.peers", 30)
+    assert [(e["step"], e["ranks"]) for e in named] == [(hang["step"], [hang["rank"]])], named
     reformed = cluster.wait_for(
         lambda: [e for e in cluster.events("recovery.inplace") if e["ts"] > hang["ts"]],
         "a re-form after the hang",

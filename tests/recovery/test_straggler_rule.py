@@ -246,7 +246,7 @@ def test_hang_watch_names_only_a_rank_with_no_collective_in_flight(
     guard, exits = _Guard(), list[int]()
     watch = HangWatch(guard, lambda: (0.1, 0.1), lambda: (3, 17), exit=exits.append)
     assert watch.bound() == 2.0
-    watch._step_began = 100.0  # (resume() would start the thread)
+    watch._step_began, watch._in_step = 100.0, True  # (resume() would start the thread)
     assert watch.stuck_for(101.0) is None  # inside the bound
     guard.since = 100.5
     assert watch.stuck_for(103.0) is None  # waiting in a collective: a peer is late
