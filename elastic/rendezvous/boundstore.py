@@ -13,7 +13,8 @@ the request types are ``QueryType`` in ``TCPStoreBackend.hpp``), with bounds:
 * at most ``max_buffered`` (64 MiB) held for requests being received and answers not yet
   sent, over all connections; a client that does not read its answers is not read from;
 * at most ``max_connections`` connections (4,096, and never more than a quarter of the
-  process's descriptor limit); one that has not sent torch's validation request within
+  process's descriptor limit, whose soft limit the store raises towards 16,384 as far as the
+  hard limit allows); one that has not sent torch's validation request within
   ``validate_timeout_s`` is closed.
 
 A request over a bound closes its connection (torch's own server does the same for a
@@ -403,10 +404,20 @@ def answer(data: Data, conn: Conn, q: Query, args: tuple[object, ...]) -> bytes:
 
 
 def connection_cap(requested: int) -> int:
-    """``requested``, but at most a quarter of this process's descriptor limit."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """``requested``, but at most a quarter of this process's descriptor limit, whose soft
+    limit is first raised towards four times ``requested`` as far as the hard limit allows
+    (a common soft limit of 1,024 would otherwise cap the store at 256 connections, one per
+    worker, where torch's server takes about 1,000)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return requested
+    want = 4 * requested if hard == resource.RLIM_INFINITY else min(hard, 4 * requested)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            logger.debug("Could not raise the descriptor limit to %d: %s", want, exc)
     return max(16, min(requested, soft // 4))
 
 

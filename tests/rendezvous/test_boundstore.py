@@ -489,3 +489,28 @@ def test_the_agent_hosts_the_bounded_store_unless_the_flag_is_off(
         assert client.get("k") == b"v" and client.add("n", 2) == 2
     finally:
         boot.close()
+
+
+@pytest.mark.parametrize(("soft", "hard", "cap"), [(1024, 20000, 4096), (1024, 1024, 256)])
+def test_the_connection_cap_raises_a_low_soft_descriptor_limit(
+    soft: int, hard: int, cap: int
+) -> None:
+    """A soft limit of 1,024 under a higher hard one is raised, so the store still takes
+    4,096 connections; under a hard limit of 1,024 it takes a quarter of it."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
+        pytest.skip(f"this machine's hard descriptor limit is under {hard}")
+    probe = (  # the module alone (stdlib only), as the tests' store process runs it
+        "import resource, runpy, sys; cap = runpy.run_path(sys.argv[1])['connection_cap']; "
+        "print(cap(4096), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, boundstore.__file__],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
+    assert [int(x) for x in out] == [cap, min(hard, 4 * 4096)]
