@@ -81,5 +81,8 @@ USAGE = 2  # bad input: a config file, a flag, an option value
 # A worker that stopped because a *peer* asked the group to stop (a planned leave
 # elsewhere). Its agent re-forms the group instead of counting a failure (EX_TEMPFAIL).
 EXIT_CODE = 75
+# A worker stuck inside a step ended itself (elastic.recovery.hang): its node leaves its round at
+# once, so that the others go on without it, and rejoins as a joiner (elastic.agent.node).
+HUNG = 76
 
 __all__ = ["EXIT_CODE", "FAILED", "OK", "USAGE", "marker", "marking", "stopping_for_reform"]

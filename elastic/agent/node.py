@@ -76,6 +76,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic import env, events, metrics, nodelocal, reform
 from elastic.agent import inplace_host
@@ -93,6 +94,9 @@ logger = logging.getLogger(__name__)
 
 WAITING_TICK_S = 0.02  # how often the agent looks at its in-place workers' registrations
 LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit before SIGKILL
+# A node whose stuck worker ended itself rejoins this long after it left: the others' round
+# without it forms first (a lost node's round forms in 0.1-0.3 s), so the rejoin is a join.
+STUCK_REJOIN_S = 1.0
 _PEER_GONE = (ChangeKind.PEERS_LOST, ChangeKind.DROPPED)
 
 
@@ -260,7 +264,35 @@ class NodeAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.HEALTHY)
         metrics.on_change("failure")
         self._spend_job_restart(handler)
+        hung = any(f.exitcode == reform.HUNG for f in result.failures.values())
+        if hung and self._host is not None and self._remaining_restarts > 0:
+            return self._drop_stuck(worker_group, handler)
         return result
+
+    def _drop_stuck(self, worker_group: WorkerGroup, handler: MembershipHandler) -> RunResult:
+        """A worker of ours was stuck inside a step and ended itself: this node leaves its
+        round at once, as a frozen node is dropped, so that the others go on without it
+        (they need not wait for our new worker), then rejoins as a joiner, which they admit
+        at a step boundary. HEALTHY once rejoined; SUCCEEDED when the job finished meanwhile."""
+        logger.warning(
+            "A worker was stuck inside a step and ended itself; this node leaves its round so "
+            "that the others go on, and rejoins in %g s.",
+            STUCK_REJOIN_S,
+        )
+        try:
+            handler.leave()
+        except Exception as exc:  # the others drop us at heartbeat expiry instead
+            logger.warning("Could not leave the rendezvous: %s", exc)
+        self._stop_workers(worker_group)
+        time.sleep(STUCK_REJOIN_S)  # the others' round without us forms first
+        self._change = None
+        try:
+            self._initialize_workers(worker_group)
+        except RendezvousClosedError:
+            logger.warning("The job finished before this node could rejoin it; it exits.")
+            values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+        return RunResult(state=WorkerState.HEALTHY)
 
     def _sit_out(self, worker_group: WorkerGroup, request: probation.Request) -> RunResult:
         """This node was dropped as a straggler: probation (it comes back HEALTHY, or ends

@@ -11,10 +11,10 @@ of :class:`HangWatch` then
 
 1. dumps every thread's Python stack (:mod:`faulthandler`) into the event log (event
    ``worker.stacks``) and names itself (event ``worker.hang``: rank, step, seconds, bound);
-2. ends its process (exit :data:`elastic.reform.FAILED`), as the agent ends a frozen
-   worker: its peers' collectives fail at once, they re-form in place, and its agent
-   starts it again (a failure: it spends one of the job's restarts, so a hang that comes
-   back every time ends the job), to rejoin from their state.
+2. ends its process (exit :data:`elastic.reform.HUNG`): its peers' collectives fail at
+   once; its agent leaves the round at once, so they re-form in place without it, then
+   rejoins as a joiner and starts it again (a failure: it spends one of the job's
+   restarts, so a hang that comes back every time ends the job), to take their state.
 
 The ranks that did reach their collectives name the ones that did not, from what they
 know: at the same bound, each waiting rank marks itself in the round's store
@@ -224,7 +224,7 @@ class HangWatch:
             seconds=round(seconds, 3),
             bound_s=round(bound, 3),
         )
-        self.exit(reform.FAILED)
+        self.exit(reform.HUNG)
 
     def await_roll_call(self, rank: int, step: int) -> None:
         """Before this stuck rank ends (which ends its peers' wait), give the waiting ranks

@@ -139,6 +139,11 @@ def test_a_stuck_worker_is_named_and_the_group_goes_on(
         lambda: [e for e in cluster.steps() if e["ts"] > reformed["ts"]], "a step after it", 60
     )[0]
     assert a.wait(120) == 0 and b.wait(120) == 0, cluster.logs()
+    # The stuck worker's node left its round (the others went on without it) and came back.
+    b_pid = cluster.nodes["b"].pid
+    left = [e for e in cluster.events("node.leave") if e["pid"] == b_pid]
+    back = [e for e in cluster.events("rdzv.round") if e["pid"] == b_pid and e["round"] > 0]
+    assert left and back and back[-1]["ts"] > left[0]["ts"], cluster.logs()
     steps = [e["step"] for e in cluster.steps()]
     assert steps == sorted(set(steps)), "a completed step was redone"
     assert max(steps) == epochs * SAMPLES // BATCH
