@@ -71,6 +71,7 @@ def one(
         f"--global-batch={BATCH}",
         f"--out={out}",
         f"--step-delay={a.step_delay}",
+        f"--step-work={a.step_work}",
     ]
     extra = {"ELASTIC_STRAGGLER_MIN_NODES": "2", "ELASTIC_PROBATION": "off"}  # no rejoin
     if policy:
@@ -145,6 +146,9 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--step-delay", type=float, default=0.03)
+    p.add_argument(
+        "--step-work", type=int, default=0, help="128x128 matrix products a step (CPU work)"
+    )
     p.add_argument("--slow-after", type=int, default=40)
     p.add_argument("--stop-ms", type=float, default=20.0)
     p.add_argument("--run-ms", type=float, default=10.0)

@@ -13,12 +13,13 @@ round's store from its first re-form on (its in-place re-form fails: it restarts
 ``--leave-at=R:S`` makes rank R's node leave (SIGTERM to its agent) inside step S, before
 the step's all-reduce: the others' step S fails and is redone without it.
 
-Constructed timing: ``--hold-at=S:FILE`` holds every rank before step S until FILE exists
-(the test lets the job go on once a join formed its round); ``$INPLACE_USER_START_AFTER``
-(a step) makes this worker wait, before it forms its group, until a rank of the job
-recorded that step (a joiner whose worker starts late: its round pends meanwhile);
-``$INPLACE_USER_LINGER`` (seconds) keeps the process alive that long after its loop ended
-(a join then forms a round with workers that have finished).
+Constructed timing: ``--step-work=N`` adds N 128x128 matrix products to each step (work a
+CPU share slows, where ``--step-delay``'s sleep is not slowed); ``--hold-at=S:FILE`` holds
+every rank before step S until FILE exists (the test lets the job go on once a join formed
+its round); ``$INPLACE_USER_START_AFTER`` (a step) makes this worker wait, before it forms
+its group, until a rank of the job recorded that step (a joiner whose worker starts late:
+its round pends meanwhile); ``$INPLACE_USER_LINGER`` (seconds) keeps the process alive that
+long after its loop ended (a join then forms a round with workers that have finished).
 """
 
 import argparse
@@ -57,6 +58,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=240)
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--step-work", type=int, default=0, help="128x128 matrix products a step")
     p.add_argument("--out", required=True)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--fail-in-step", default=None, metavar="RANK:STEP")
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--hold-at", default=None, metavar="STEP:FILE")
     args = p.parse_args()
+    spin = torch.randn(128, 128, generator=torch.Generator().manual_seed(1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -120,6 +123,8 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 time.sleep(args.step_delay)
+                for _ in range(args.step_work):  # CPU work: a duty cycle or a quota slows it
+                    torch.mm(spin, spin)
     if run.rank == 0:
         torch.save(net.state_dict(), out / "final.pt")
     if distributed:
