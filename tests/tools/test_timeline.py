@@ -13,6 +13,14 @@ from elastic.tools.timeline import PAUSE_GID, analyse, build_figure, load_events
 from tests.helpers import PYTHON, REPO, node_env
 
 T0 = 1_700_000_000.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _font_cache() -> None:
+    """matplotlib lists the system's fonts with ``fc-list`` (a process) the first time it
+    runs on a machine, then caches them: done here, before the unit tests' no-process
+    guard (function-scoped) is on, so a fresh machine's first run passes as later ones do."""
+    pytest.importorskip("matplotlib.font_manager")
 N1, N2, N3 = "127.0.0.1_101_0", "127.0.0.1_102_0", "127.0.0.1_103_0"
 
 
