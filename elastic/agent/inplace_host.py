@@ -66,15 +66,46 @@ class InPlaceHost:
         self._directory = directory
         self._asked_round = -1  # the round in which a worker last asked for a new one
         self.left = False  # this node has left the rendezvous (SIGTERM or probation, in place)
+        # The agent looks at its workers every tick (node.WAITING_TICK_S) while they train:
+        # each look is a stat per worker, a file read only when the worker wrote anew.
+        self._channels: dict[int, Path] = {}
+        self._fence_seen: tuple[str, int] = ("", -1)
+        self._regs: dict[Path, tuple[tuple[int, int, int, int], Registration | None]] = {}
 
     def channel_of(self, local_rank: int) -> Path:
-        """The channel of local worker ``local_rank`` (its ``$ELASTIC_CHANNEL``)."""
-        return channel.prefix_for(self._owner, local_rank, self._directory)
+        """The channel of local worker ``local_rank`` (its ``$ELASTIC_CHANNEL``); its
+        private directory is made and verified once (each read verifies the file)."""
+        found = self._channels.get(local_rank)
+        if found is None:
+            found = channel.prefix_for(self._owner, local_rank, self._directory)
+            self._channels[local_rank] = found
+        return found
 
     def joined_round(self) -> int:
         """The round this node joined last (-1 before its first): the one its fence names."""
-        spec = FenceSpec.from_env({env.FENCE: self._handler.fence()})
-        return spec.round if spec is not None else -1
+        fence = self._handler.fence()
+        if fence != self._fence_seen[0]:
+            spec = FenceSpec.from_env({env.FENCE: fence})
+            self._fence_seen = (fence, spec.round if spec is not None else -1)
+        return self._fence_seen[1]
+
+    def _registration(self, local_rank: int) -> Registration | None:
+        """Worker ``local_rank``'s registration, read again when its file changed (a worker
+        writes it whole, a new file each time) and at least once a second (a file replaced
+        within one clock tick by one of the same size and a reused inode looks the same)."""
+        path = channel.paths(self.channel_of(local_rank))[1]
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            self._regs.pop(path, None)
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size, int(time.monotonic()))
+        cached = self._regs.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        reg = channel.read_registration(self.channel_of(local_rank))
+        self._regs[path] = (key, reg)
+        return reg
 
     # -- down: assignments ---------------------------------------------------------------
 
@@ -83,6 +114,7 @@ class InPlaceHost:
         rank, so that its first registration is for the round it starts in."""
         for w in worker_group.workers:
             channel.remove(self.channel_of(w.local_rank))
+        self._regs.clear()
         self.write_assignments(worker_group)
 
     def write_assignments(self, worker_group: WorkerGroup) -> None:
@@ -114,7 +146,7 @@ class InPlaceHost:
         current = self.joined_round()
         found = []
         for w in worker_group.workers:
-            reg = channel.read_registration(self.channel_of(w.local_rank))
+            reg = self._registration(w.local_rank)
             if reg is not None and reg.round >= current:
                 found.append(reg)
         return found
@@ -124,7 +156,7 @@ class InPlaceHost:
         if not worker_group.workers:
             return False
         for w in worker_group.workers:
-            reg = channel.read_registration(self.channel_of(w.local_rank))
+            reg = self._registration(w.local_rank)
             if reg is None or reg.pid != w.id or not alive(reg.pid):
                 return False
         return True
@@ -134,9 +166,7 @@ class InPlaceHost:
         node joined last: they ended before a round that formed as the job finished (a
         join), so its other agents would wait for ours at torch's exit barrier in vain."""
         current = self.joined_round()
-        regs = [
-            channel.read_registration(self.channel_of(w.local_rank)) for w in worker_group.workers
-        ]
+        regs = [self._registration(w.local_rank) for w in worker_group.workers]
         return bool(regs) and all(r is not None and r.round < current for r in regs)
 
     def finished_before_join(self, worker_group: WorkerGroup) -> bool:
@@ -144,7 +174,7 @@ class InPlaceHost:
         in place and none has formed a round yet, and the rendezvous is closed (one etcd
         read, only while they join)."""
         for w in worker_group.workers:
-            reg = channel.read_registration(self.channel_of(w.local_rank))
+            reg = self._registration(w.local_rank)
             if reg is None or reg.round >= 0:
                 return False
         try:

@@ -60,11 +60,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
+import select
 import signal
 import time
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -217,13 +218,16 @@ class NodeAgent(LocalElasticAgent):
         deadline = time.monotonic() + timeout
         with contextlib.ExitStack() as stack:
             handles = _exit_handles(getattr(self, "_pcontext", None), stack)
+            poller = select.poll()  # one for the whole wait: a tick costs one poll(2)
+            for handle in handles:
+                poller.register(handle, select.POLLIN)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
                 step = min(left, WAITING_TICK_S) if host is not None else left
                 if handles:
-                    if wait(handles, step):
+                    if poller.poll(math.ceil(step * 1000)):
                         return
                 else:
                     time.sleep(step)
