@@ -411,6 +411,7 @@ class JoinTrace(threading.Thread):
                 proc = self.procs[pid] = {
                     "pid": pid,
                     "name": proc_name(pid),
+                    "cmd": _cmdline(pid),
                     "ppid": _ppid(pid),
                     "start_s": round(start - self.t0, 3) if start else None,
                     "cpu": [],
@@ -446,7 +447,7 @@ class JoinTrace(threading.Thread):
         ]
         worker = min(workers, key=lambda p: p["start_s"] or 0.0) if workers else None
         out["trace_procs"] = [
-            {k: p[k] for k in ("pid", "name", "ppid", "start_s")}
+            {k: p[k] for k in ("pid", "name", "cmd", "ppid", "start_s")}
             | {"cpu_last": p["cpu"][-1] if p["cpu"] else None}
             for p in self.procs.values()
         ]
@@ -483,6 +484,15 @@ def _shift(value: Any, by: float) -> Any:
     if isinstance(value, list) and all(isinstance(v, float) for v in value):
         return [round(v + by, 3) for v in value]
     return value
+
+
+def _cmdline(pid: int) -> str:
+    """The first 120 characters of ``pid``'s command line ("" when it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120]
 
 
 def _ppid(pid: int) -> int | None:

@@ -36,7 +36,12 @@ logger = logging.getLogger(__name__)
 
 # What a script on elastic.Run imports besides torch: preloaded for it (a plain torchrun
 # script gets torch only; a joining node's worker forks once the server's imports are done).
-RUN_PRELOAD = ["torch.distributed.checkpoint", "elastic.recovery", "elastic.checkpoint"]
+RUN_PRELOAD = [
+    "torch.distributed.checkpoint",
+    "elastic.recovery",
+    "elastic.checkpoint",
+    "elastic.rendezvous.fence",
+]
 # What imports the server made: a script that sets the environment before one of these
 # means to steer that import.
 _PRELOADED_ROOTS = ("torch", "torchvision")

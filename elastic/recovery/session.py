@@ -143,6 +143,10 @@ class Run:
         self._step_end = StepEnd(self)
         self._group = paths.pick(self)  # the one choice of path
         self._member = self._group.member
+        if self._member is not None or os.environ.get(env.FENCE):
+            # The round's commit fence is made as soon as the group forms: its module
+            # (the etcd client, grpc: ~0.1 s) is imported now, while no peer waits on us.
+            import elastic.rendezvous.fence  # noqa: F401
         self._join_group()
         self._configure_checkpoints(checkpoint, checkpoint_url, checkpoint_every, keep_last)
         self._init_from = init_from or getattr(checkpoint, "init_from", None)
