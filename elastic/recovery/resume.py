@@ -51,21 +51,22 @@ class Resumer:
         if plan.source == "live":
             source = "live"
         else:
+            holds_live = mine is not None and mine == (plan.step, plan.round)
             if run.rank in plan.writers:
                 run._jit.write_live(run.step, run._round_of_state)
-            self._load(plan)
+            self._load(plan, live=holds_live and run.rank in plan.writers)
             source = run.resumed_from
             self._report(plan, held, time.perf_counter() - started)
         run._round_of_state = run._round
         run._jit.keep_boundary(run.step)
         return source
 
-    def _load(self, plan: exchange.Plan) -> None:
+    def _load(self, plan: exchange.Plan, live: bool = False) -> None:
         run = self.run
         if plan.source == "storage":
             self._load_storage()
         elif plan.source == "memory":
-            self._load_memory(plan)
+            self._load_memory(plan, live)
         elif plan.source == "fresh" and run._init_from:
             self._start_from(run._init_from)
         elif plan.source == "fresh" and run._group.in_place:
@@ -121,13 +122,20 @@ class Resumer:
         for tensor in module.state_dict().values():
             dist.broadcast(tensor, src=0)
 
-    def _load_memory(self, plan: exchange.Plan) -> None:
+    def _load_memory(self, plan: exchange.Plan, live: bool = False) -> None:
+        """Load ``plan``'s state from memory or a peer. ``live``: this rank holds that state
+        live (a survivor of a join, which just wrote it): its model and optimizer are it
+        already, so only the rest (counters, schedule, sampler, RNG) is put back to the
+        snapshot's, as every other rank's is."""
         run = self.run
         started = time.perf_counter()
         state, run.resumed_from, run.received_bytes = exchange.fetch(
             plan, run._store, run._group.control
         )
-        run._apply(state)
+        if live:
+            run._apply_extra(state)
+        else:
+            run._apply(state)
         events.emit(
             "ckpt.load",
             step=run.step,
