@@ -115,6 +115,16 @@ def system(args: argparse.Namespace) -> dict[str, Any]:
     for name in names.values():
         row = {p: _stats(medians[p][name]) for p in PATHS}
         row["ratio"] = round(row["inplace"]["median_ms"] / row["restart"]["median_ms"], 4)
+        # Each run's pair (the two paths back to back, in alternating order): a drift of
+        # the machine's speed over the whole run cancels within a pair.
+        inplace, restart = medians["inplace"][name], medians["restart"][name]
+        pairs = [a / b for a, b in zip(inplace, restart, strict=True)]
+        row["ratio_paired"] = {
+            "median": round(statistics.median(pairs), 4),
+            "min": round(min(pairs), 4),
+            "max": round(max(pairs), 4),
+            "n": len(pairs),
+        }
         result["steps"][name] = row
     result["settings"] = {
         "script": "bench/overhead_user.py (MLP 64-256-256-10, batch 16 a rank, AdamW, cosine)",
@@ -124,7 +134,8 @@ def system(args: argparse.Namespace) -> dict[str, Any]:
         "steps_per_run": args.steps,
         "block": args.block,
         "runs_per_path": args.runs,
-        "figure": "each run's median step time (rank 0); median and min-max over runs",
+        "figure": "each run's median step time (rank 0); median and min-max over runs; "
+        "ratio_paired: in place / restart within each back-to-back pair, median and min-max",
     }
     result["load_1m"] = {"min": min(loads), "max": max(loads)}
     return result
