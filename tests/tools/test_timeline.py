@@ -21,6 +21,8 @@ def _font_cache() -> None:
     runs on a machine, then caches them: done here, before the unit tests' no-process
     guard (function-scoped) is on, so a fresh machine's first run passes as later ones do."""
     pytest.importorskip("matplotlib.font_manager")
+
+
 N1, N2, N3 = "127.0.0.1_101_0", "127.0.0.1_102_0", "127.0.0.1_103_0"
 
 
