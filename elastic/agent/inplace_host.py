@@ -70,7 +70,8 @@ class InPlaceHost:
         # each look is a stat per worker, a file read only when the worker wrote anew.
         self._channels: dict[int, Path] = {}
         self._fence_seen: tuple[str, int] = ("", -1)
-        self._regs: dict[Path, tuple[tuple[int, int, int, int], Registration | None]] = {}
+        self._worker_files: dict[int, str] = {}  # each worker's registration file
+        self._regs: dict[str, tuple[tuple[int, int, int, int], Registration | None]] = {}
 
     def channel_of(self, local_rank: int) -> Path:
         """The channel of local worker ``local_rank`` (its ``$ELASTIC_CHANNEL``); its
@@ -93,7 +94,11 @@ class InPlaceHost:
         """Worker ``local_rank``'s registration, read again when its file changed (a worker
         writes it whole, a new file each time) and at least once a second (a file replaced
         within one clock tick by one of the same size and a reused inode looks the same)."""
-        path = channel.paths(self.channel_of(local_rank))[1]
+        path = self._worker_files.get(local_rank)
+        if path is None:
+            path = self._worker_files[local_rank] = str(
+                channel.paths(self.channel_of(local_rank))[1]
+            )
         try:
             st = os.stat(path, follow_symlinks=False)
         except OSError:
