@@ -221,13 +221,15 @@ def _recovery_step(tail: EventTail, fault: Fault, max_steps: int) -> dict[str, A
     rounds = [e["ts"] for e in tail.of("rdzv.round") if e["ts"] > fault.t]
     since = max([fault.t, *rounds])
     after = [e for e in tail.of("train.step") if e["ts"] > since]
-    if after and after[-1]["step"] >= max_steps:
-        first = after[0] if after[0]["world_size"] == fault.world else None
-        if first is not None or not any(e["world_size"] == fault.world for e in after):
-            return first or after[-1]
     good = [e for e in after if e["world_size"] == fault.world]
+    # In place, the old group trains on after a join's round until the joiner is ready
+    # (the job's start too, when one node formed the first round alone): steps of the
+    # old world may come first; once the expected world trains, every later step is at it.
+    switched = bool(good) and after[len(after) - len(good) :] == good
+    if after and after[-1]["step"] >= max_steps and (switched or not good):
+        return good[0] if switched else after[-1]
     settled = [e for e in good if e["ts"] > fault.t_end]
-    if len(settled) >= 6 and good[0] is after[0]:
+    if len(settled) >= 6 and switched:
         return good[0]
     return None
 

@@ -14,7 +14,7 @@ from elastic.chaos.fault import Fault
 from elastic.chaos.injectors import Injector
 from elastic.chaos.invariants import SKIPPED_SAVE, frozen_etcd, rogue_members
 from elastic.chaos.job import ChaosJob
-from elastic.chaos.observers import EventTail
+from elastic.chaos.observers import EventTail, wait_stable
 from elastic.chaos.plan import ChaosOptions
 from elastic.chaos.rogue import RogueMember
 from elastic.etcd.client import EtcdClient
@@ -120,3 +120,26 @@ def test_a_freeze_outlasts_requests_only_for_a_single_etcd_and_stays_in_the_tole
     injector = Injector(job, random.Random(0))
     assert all(3.0 <= injector._frozen_s(only=False) <= 8.0 for _ in range(20))
     assert all(33.0 <= injector._frozen_s(only=True) <= 38.0 for _ in range(20))
+
+
+def _step(ts: float, step: int, world: int) -> dict[str, Any]:
+    return {"ts": ts, "kind": "train.step", "step": step, "world_size": world}
+
+
+def test_training_is_stable_once_the_old_world_switched_in_place(tmp_path: Path) -> None:
+    """A CI run (2026-12-02): one node formed the first round alone, the other two joined
+    1.75 s later and its worker trained steps 3-4 at world 1 until the joiners were ready
+    (in place), then world 3 from step 5. That start is stable at step 5; the harness
+    waited until the job's end instead and injected no fault."""
+    rounds = [{"ts": 1.75 + i / 100, "kind": "rdzv.round", "round": 1} for i in range(3)]
+    old = [_step(0.9 + i / 2, i + 1, 1) for i in range(4)]
+    new = [_step(3.0 + i / 2, i + 5, 3) for i in range(8)]
+    tail = _tail(tmp_path, [*old[:2], *rounds, *old[2:], *new])
+    start = Fault("start", 0.0, 0, t_end=0.0)
+    wait_stable(tail, start, lambda: 3, 256, timeout=1.0)
+    assert not start.error and start.recover_s == 3.0
+    back = [_step(7.0 + i / 2, i + 13, 1) for i in range(8)]  # the world went back: not stable
+    tail = _tail(tmp_path, [*old[:2], *rounds, *old[2:], *new[:3], *back])
+    late = Fault("start", 0.0, 0, t_end=0.0)
+    wait_stable(tail, late, lambda: 3, 256, timeout=0.5)
+    assert late.error.startswith("no stable training at world 3")
