@@ -116,10 +116,12 @@ def main() -> None:
                     _wait_for(lambda: Path(hold_file).exists(), 120)
                 if leave is not None and (run.rank, run.step) == leave:
                     _leave_now(run, out)
+                # Written before the step's collectives: a worker killed after its gradient
+                # reached the all-reduce (the survivors commit the step) has used its samples.
+                log.write(json.dumps(record) + "\n")
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
-                log.write(json.dumps(record) + "\n")
                 optimizer.step()
                 scheduler.step()
                 time.sleep(args.step_delay)
