@@ -30,16 +30,17 @@ import zipfile
 from pathlib import Path
 
 from elastic import env
-from elastic.agent.forkserver import SCRIPT_PRELOAD, enabled, start_server
+from elastic.agent.forkserver import SCRIPT_PRELOAD, enabled, fork_server, start_server
 
 logger = logging.getLogger(__name__)
 
 # What a script on elastic.Run imports besides torch: preloaded for it (a plain torchrun
 # script gets torch only; a joining node's worker forks once the server's imports are done).
+# torch._dynamo: DDP's constructor imports it (2-3 s of CPU with sympy); the checkpoint code
+# (DCP, ~1 s) is left to Run, which imports it before it joins when checkpoints are on.
 RUN_PRELOAD = [
-    "torch.distributed.checkpoint",
+    "torch._dynamo",
     "elastic.recovery",
-    "elastic.checkpoint",
     "elastic.rendezvous.fence",
 ]
 # What imports the server made: a script that sets the environment before one of these
@@ -146,7 +147,7 @@ def _imports_elastic(source: str) -> bool:
 
 def preload_for(target: str, module: bool) -> list[str]:
     """What the fork server of a user's script imports: torch, and for a script on
-    ``elastic.Run`` what ``Run`` imports (DCP, our recovery and checkpoint modules); never
+    ``elastic.Run`` what it imports before its first step (:data:`RUN_PRELOAD`); never
     torchvision or our own worker (:data:`elastic.agent.forkserver.PRELOAD`)."""
     source, _ = _script_source(target, module)
     extra = RUN_PRELOAD if source is not None and _imports_elastic(source) else []
@@ -158,12 +159,13 @@ _NOT_EARLY = ("-m", "--module", "--no-python", "--no_python", "--run-path", "--r
 
 
 def start_early_for_script(argv: list[str]) -> bool:
-    """Start a user's script's fork server before the agent imports torch (both imports
-    then overlap: a joining node's first worker forks seconds sooner), from the raw
-    arguments; True when started. Only for the plain case (``SCRIPT.py``, an integer
-    ``--nproc-per-node``, nothing that makes it cold); torchrun's later change to the
-    environment, OMP_NUM_THREADS=1 for more than one process, is given to the server in
-    advance. A wrong guess is caught before each start (the environment differs: that
+    """Start a user's script's fork server as the agent starts, from the raw arguments; True
+    when started. With one process per node it is a fork of the agent once the agent has
+    imported torch (:func:`elastic.agent.forkserver.fork_server`: torch is imported once, and
+    a joining node's first worker forks sooner); with more, a spawned server that imports
+    torch under torchrun's OMP_NUM_THREADS=1 (given to it in advance) beside the agent's own
+    import. Only for the plain case (``SCRIPT.py``, an integer ``--nproc-per-node``, nothing
+    that makes it cold). A wrong guess is caught before each start (the environment differs: that
     start is cold, :func:`elastic.agent.forkserver.server_cold_reason`)."""
     at = next((i for i, a in enumerate(argv) if a.endswith(".py")), None)
     if at is None or not enabled():
@@ -178,8 +180,12 @@ def start_early_for_script(argv: list[str]) -> bool:
             nproc = value if eq else (options[i + 1] if i + 1 < len(options) else "")
     if not nproc.isdigit() or cold_reason(argv[at], False, False, False) is not None:
         return False
-    extra = {"OMP_NUM_THREADS": "1"} if int(nproc) > 1 else {}
-    start_server(preload_for(argv[at], False), extra_env=extra)
+    if int(nproc) > 1:  # the server imports torch under torchrun's OMP_NUM_THREADS=1
+        start_server(preload_for(argv[at], False), extra_env={"OMP_NUM_THREADS": "1"})
+        return True
+    import torch  # noqa: F401  (the agent's own import, made now: the server forks with it)
+
+    fork_server(preload_for(argv[at], False))
     return True
 
 

@@ -25,11 +25,14 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
-from multiprocessing import forkserver
+from multiprocessing import connection, forkserver, resource_tracker, util
 from pathlib import Path
+from typing import Any, NoReturn
 
 from elastic import env, reform
 
@@ -88,6 +91,78 @@ def start_server(modules: Sequence[str] = PRELOAD, extra_env: dict[str, str] | N
         time.monotonic() - started,
         ", ".join(modules),
     )
+
+
+def fork_server(modules: Sequence[str] = PRELOAD) -> None:
+    """Start the fork server as a ``fork()`` of this process, which has imported torch and
+    nothing that runs a thread or holds a connection yet (the agent, at its start): the
+    server then imports only what ``modules`` adds to torch. A spawned server
+    (:func:`start_server`) imports torch a second time beside the agent's own import: on a
+    machine whose cores are busy (a node joining a running job) both imports take longer,
+    and a joiner's first worker waits for the server's.
+
+    Only the first call (of either kind) starts a server. The server gets this process's
+    environment of the moment; its stop signals are reset to a fresh interpreter's and the
+    etcd password this process took from its environment is dropped from its memory.
+    """
+    global _started
+    if _started:
+        return
+    _started = True
+    _server_env.update(os.environ)
+    started = time.monotonic()
+    server: Any = forkserver._forkserver
+    resource_tracker.ensure_running()  # a spawned helper, as forkserver.ensure_running does
+    with server._lock, socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server ends once every holder of alive_w closed it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _serve(listener.fileno(), alive_r, alive_w, list(modules))
+        os.close(alive_r)
+        server._preload_modules = list(modules)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    logger.info(
+        "Forked the worker fork server in %.3f s; it is importing %s.",
+        time.monotonic() - started,
+        ", ".join(modules),
+    )
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int, modules: list[str]) -> NoReturn:
+    """The forked server's life: never returns into the agent's code."""
+    code = 0
+    try:
+        os.close(alive_w)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        credentials = sys.modules.get("elastic.credentials")
+        if credentials is not None:
+            credentials._env_password = None  # type: ignore[attr-defined]
+        forkserver._forkserver.__init__()  # type: ignore[misc]  # no server of its own
+        forkserver.main(listener_fd, alive_r, modules)
+    except SystemExit as exc:  # its loop ends so when the agent is gone
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:  # reported, then the process ends
+        code = 1
+        with contextlib.suppress(Exception):
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+    os._exit(code)
 
 
 def run_worker(*argv: str) -> None:
@@ -152,6 +227,7 @@ __all__ = [
     "START_METHOD",
     "WORKER_MODULE",
     "enabled",
+    "fork_server",
     "run_worker",
     "server_cold_reason",
     "start_server",

@@ -266,7 +266,7 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
 
 
 def _start_warm_server_early(argv: list[str]) -> None:
-    """Start the fork server before this process imports torch, so both imports overlap.
+    """Start the fork server as this process starts: a fork of it once it has imported torch.
 
     A guess from the raw arguments (our worker is named in them); :func:`_warm_entrypoint`
     decides for real once they are parsed. A wrong guess costs one idle server.
@@ -278,7 +278,9 @@ def _start_warm_server_early(argv: list[str]) -> None:
         a.partition("=")[0] == "--config" for a in before_script
     )
     if ours and warm.enabled():
-        warm.start_server()
+        import torch  # noqa: F401  (the agent's own import, made now: the server forks with it)
+
+        warm.fork_server()
     elif not ours:
         warm.start_early_for_script(argv)  # a user's script: when its rules allow
 

@@ -146,7 +146,11 @@ class Run:
         if self._member is not None or os.environ.get(env.FENCE):
             # The round's commit fence is made as soon as the group forms: its module
             # (the etcd client, grpc: ~0.1 s) is imported now, while no peer waits on us.
-            import elastic.rendezvous.fence  # noqa: F401
+            import elastic.rendezvous.fence
+        if checkpoint_url is not None or getattr(checkpoint, "enabled", False):
+            # So is the checkpoint code (DCP: ~1 s), which the fork server of a script on
+            # Run no longer preloads (a script without checkpoints never needs it).
+            import elastic.checkpoint  # noqa: F401
         self._join_group()
         self._configure_checkpoints(checkpoint, checkpoint_url, checkpoint_every, keep_last)
         self._init_from = init_from or getattr(checkpoint, "init_from", None)

@@ -43,11 +43,14 @@ COLD_LINE = "Starting the workers cold (fresh processes): the agent runs with in
 
 
 class Job:
-    def __init__(self, tmp: Path, endpoint: str, name: str, command: tuple[str, ...]) -> None:
+    def __init__(
+        self, tmp: Path, endpoint: str, name: str, command: tuple[str, ...], nproc: int
+    ) -> None:
         self.out = tmp / name / "out"
         self.out.mkdir(parents=True)
         self.stop = tmp / name / "stop"
-        options = AgentOptions(nnodes="1", nproc=2, max_restarts=2, command=command)
+        self.nproc = nproc
+        options = AgentOptions(nnodes="1", nproc=nproc, max_restarts=2, command=command)
         self.cluster = LocalCluster(
             tmp / name,
             endpoint=endpoint,
@@ -66,22 +69,27 @@ class Job:
         return sorted((s for s in found if s["restart"] == restart), key=lambda s: s["env"]["RANK"])
 
     def wait_generation(self, restart: int) -> list[dict[str, Any]]:
-        def both() -> list[dict[str, Any]]:
+        def all_of_them() -> list[dict[str, Any]]:
             gen = self.starts(restart)
-            return gen if len(gen) == 2 else []
+            return gen if len(gen) == self.nproc else []
 
-        return wait_until(both, 240, f"both workers of restart {restart} ({self.node.log})")
+        return wait_until(all_of_them, 240, f"the workers of restart {restart} ({self.node.log})")
 
 
-@pytest.fixture
-def jobs(tmp_path: Path, etcd: EtcdServer) -> Iterator[tuple[Job, Job]]:
-    python = sys.executable
-    warm = Job(tmp_path, etcd.endpoint, "warm", (python, "-m", "elastic.agent.launch"))
+# One process per node: the fork server is a fork of the agent once it has imported torch;
+# two: a spawned server that imports torch under torchrun's OMP_NUM_THREADS=1.
+@pytest.fixture(params=[1, 2], ids=["forked-server", "spawned-server"])
+def jobs(
+    request: pytest.FixtureRequest, tmp_path: Path, etcd: EtcdServer
+) -> Iterator[tuple[Job, Job]]:
+    python, nproc = sys.executable, request.param
+    warm = Job(tmp_path, etcd.endpoint, "warm", (python, "-m", "elastic.agent.launch"), nproc)
     cold = Job(
         tmp_path,
         etcd.endpoint,
         "cold",
         (python, "-X", "faulthandler", "-m", "elastic.agent.launch"),
+        nproc,
     )
     yield warm, cold
     for job in (warm, cold):
@@ -102,7 +110,7 @@ def assert_same_as_cold(warm: dict[str, Any], cold: dict[str, Any]) -> None:
     warm_env = {k: v for k, v in warm["env"].items() if k not in PER_RUN}
     cold_env = {k: v for k, v in cold["env"].items() if k not in PER_RUN}
     assert warm_env == cold_env
-    for key in ("cwd", "path0", "file", "sigterm_default", "sid_is_pid"):
+    for key in ("cwd", "path0", "file", "sigterm_default", "signals", "sid_is_pid"):
         assert warm[key] == cold[key], key
     assert warm["argv"][0] == cold["argv"][0] == SCRIPT
     assert warm["argv"][2:] != [] and warm["argv"][2] == cold["argv"][2] == "--stop-file"
@@ -119,7 +127,7 @@ def test_plain_script_starts_warm_and_behaves_as_a_fresh_process(jobs: tuple[Job
         assert_same_as_cold(w, c)
     # kill -9 of a worker: restarted, warm again
     for gen in (w0, c0):
-        kill(gen[1]["pid"], signal.SIGKILL)
+        kill(gen[-1]["pid"], signal.SIGKILL)
     w1, c1 = warm.wait_generation(1), cold.wait_generation(1)
     assert_warm(warm, w1)
     assert {s["pid"] for s in w1}.isdisjoint(s["pid"] for s in w0)
@@ -233,21 +241,29 @@ def test_a_scripts_fork_server_preloads_neither_torchvision_nor_our_worker(tmp_p
 
 
 @pytest.mark.integration  # the interpreter-options probe runs a python
-def test_a_scripts_fork_server_starts_before_the_agent_imports_torch(
+def test_a_scripts_fork_server_starts_as_the_agent_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from elastic.agent import cold_start
 
-    started: list[tuple[list[str], dict[str, str] | None]] = []
+    started: list[tuple[str, list[str], dict[str, str] | None]] = []
     monkeypatch.setattr(
-        cold_start, "start_server", lambda m, extra_env=None: started.append((m, extra_env))
+        cold_start,
+        "start_server",
+        lambda m, extra_env=None: started.append(("spawned", m, extra_env)),
     )
+    monkeypatch.setattr(cold_start, "fork_server", lambda m: started.append(("forked", m, None)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     agent = ["--nnodes=1:3", "--nproc-per-node", "2"]
     assert cold_start.start_early_for_script([*agent, SCRIPT, "out"])
-    # torchrun sets OMP_NUM_THREADS=1 for 2 processes once its options are parsed
-    assert started == [(cold_start.preload_for(SCRIPT, False), {"OMP_NUM_THREADS": "1"})]
+    # torchrun sets OMP_NUM_THREADS=1 for 2 processes once its options are parsed: a
+    # spawned server imports torch under it
+    preload = cold_start.preload_for(SCRIPT, False)
+    assert started == [("spawned", preload, {"OMP_NUM_THREADS": "1"})]
+    # one process: a fork of the agent, which has imported torch
+    assert cold_start.start_early_for_script(["--nnodes=1:3", SCRIPT, "out"])
+    assert started[1:] == [("forked", preload, None)] and "torch" in sys.modules
     assert not cold_start.start_early_for_script(["--nproc-per-node=auto", SCRIPT])
     assert not cold_start.start_early_for_script(["--no-python", SCRIPT])
     assert not cold_start.start_early_for_script(["-m", "pkg.mod"])
-    assert len(started) == 1
+    assert len(started) == 2

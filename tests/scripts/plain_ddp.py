@@ -48,6 +48,10 @@ def main() -> int:
         "env": dict(os.environ),
         "preloaded": PRELOADED,
         "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "signals": {
+            s.name: repr(signal.getsignal(s))
+            for s in (signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE, signal.SIGQUIT)
+        },
         "sid_is_pid": os.getsid(0) == os.getpid(),
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     }
