@@ -183,8 +183,6 @@ def start_early_for_script(argv: list[str]) -> bool:
     if int(nproc) > 1:  # the server imports torch under torchrun's OMP_NUM_THREADS=1
         start_server(preload_for(argv[at], False), extra_env={"OMP_NUM_THREADS": "1"})
         return True
-    import torch  # noqa: F401  (the agent's own import, made now: the server forks with it)
-
     fork_server(preload_for(argv[at], False))
     return True
 

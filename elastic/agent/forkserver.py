@@ -94,12 +94,12 @@ def start_server(modules: Sequence[str] = PRELOAD, extra_env: dict[str, str] | N
 
 
 def fork_server(modules: Sequence[str] = PRELOAD) -> None:
-    """Start the fork server as a ``fork()`` of this process, which has imported torch and
-    nothing that runs a thread or holds a connection yet (the agent, at its start): the
-    server then imports only what ``modules`` adds to torch. A spawned server
-    (:func:`start_server`) imports torch a second time beside the agent's own import: on a
-    machine whose cores are busy (a node joining a running job) both imports take longer,
-    and a joiner's first worker waits for the server's.
+    """Import torch here (this process's own import, made now), then start the fork server
+    as a ``fork()`` of this process, which must run no thread and hold no connection yet
+    (the agent, at its start): the server then imports only what ``modules`` adds to torch.
+    A spawned server (:func:`start_server`) imports torch a second time beside the agent's
+    own import: on a machine whose cores are busy (a node joining a running job) both
+    imports take longer, and a joiner's first worker waits for the server's.
 
     Only the first call (of either kind) starts a server. The server gets this process's
     environment of the moment; its stop signals are reset to a fresh interpreter's and the
@@ -109,6 +109,8 @@ def fork_server(modules: Sequence[str] = PRELOAD) -> None:
     if _started:
         return
     _started = True
+    import torch  # noqa: F401  (the server forks with it)
+
     _server_env.update(os.environ)
     started = time.monotonic()
     server: Any = forkserver._forkserver

@@ -278,8 +278,6 @@ def _start_warm_server_early(argv: list[str]) -> None:
         a.partition("=")[0] == "--config" for a in before_script
     )
     if ours and warm.enabled():
-        import torch  # noqa: F401  (the agent's own import, made now: the server forks with it)
-
         warm.fork_server()
     elif not ours:
         warm.start_early_for_script(argv)  # a user's script: when its rules allow
