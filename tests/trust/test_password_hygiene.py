@@ -20,6 +20,9 @@ from tests.trust.conftest import NOBODY
 # A worker that says it runs, then waits (bounded) for the test to let it finish.
 WORKER = """
 import os, sys, time
+# forked from a server that was forked from the agent: the agent's password must be gone
+held = getattr(sys.modules.get("elastic.credentials"), "_env_password", None)
+open(sys.argv[1] + ".held", "w").write("held" if held else "clear")
 open(sys.argv[1] + ".tmp", "w").write(str(os.getpid()))
 os.rename(sys.argv[1] + ".tmp", sys.argv[1])
 deadline = time.monotonic() + 120
@@ -93,10 +96,12 @@ def test_a_real_agent_and_its_children_show_no_password_in_proc(
         assert node.running(), node.output()[-3000:]
         pids = _tree(node.pid)
         assert int(ready.read_text()) in pids, "the worker is not among the agent's children"
+        held = (tmp_path / "ready.held").read_text()
         leaks = _leaks(pids, PASSWORD.encode())
         go.touch()
         assert node.wait(60) == 0, node.output()[-3000:]
     assert not leaks, f"the etcd password is readable in {leaks}"
+    assert held == "clear", "the worker's memory holds the agent's etcd password"
     assert len(pids) >= 2
 
 
