@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic import env, events
-from elastic.procs import descendants
+from elastic.procs import children, descendants
 
 CKPT = "{ckpt}"  # replaced in a script's arguments by the checkpoint URL
 DDP_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
@@ -113,14 +113,23 @@ def ddp_script(
 
 def script_workers(agent: int, path: str) -> list[int]:
     """The processes below ``agent`` that run the script at ``path``: started with it on
-    their command line, or forked from the agent's forkserver (whose command line is the
-    forkserver's)."""
+    their command line, or forked from the agent's fork server. The server itself is none
+    of them: a child of the agent that is either a spawned ``multiprocessing.forkserver``
+    or a fork of the agent (whose command line it keeps, the script's path included)."""
+    own = _cmdline(agent)
+    servers = {
+        pid
+        for pid in children(agent)
+        if b"multiprocessing.forkserver" in (line := _cmdline(pid)) or line == own
+    }
     out = []
     for pid in descendants(agent):
+        if pid in servers:
+            continue
         cmdline = _cmdline(pid)
-        if (
-            path.encode() in cmdline and b"torch.distributed.run" not in cmdline
-        ) or b"multiprocessing.forkserver" in _cmdline(_parent(pid)):
+        if (path.encode() in cmdline and b"torch.distributed.run" not in cmdline) or _parent(
+            pid
+        ) in servers:
             out.append(pid)
     return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -89,3 +91,45 @@ def test_the_compound_schedule_repeats_its_round() -> None:
     assert compound_schedule(1) == list(COMPOUND)
     assert compound_schedule(3) == list(COMPOUND) * 3
     assert "freeze_leave_in_save" in COMPOUND and "etcd_freeze_in_save" in COMPOUND
+
+
+# An agent (its command line names the script), its fork server (a fork of it: the same
+# command line) and a worker forked from that server, plus a cold worker it started itself.
+_TREE = """
+import os, subprocess, sys, time
+cold = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", sys.argv[1]])
+server = os.fork()
+if server == 0:
+    worker = os.fork()
+    if worker == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(os.getpid(), worker, cold.pid, flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration  # a real process tree
+def test_the_agents_forked_fork_server_is_not_a_worker(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from elastic.chaos.script import script_workers
+    from elastic.procs import descendants
+
+    path = str(tmp_path / "train.py")
+    agent = subprocess.Popen([sys.executable, "-c", _TREE, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout is not None
+        server, worker, cold = map(int, agent.stdout.readline().split())
+        # the chaos harness once killed the server as "a worker": every worker died with it
+        assert sorted(script_workers(agent.pid, path)) == sorted([worker, cold])
+        assert server not in script_workers(agent.pid, path)
+    finally:
+        for pid in [*descendants(agent.pid), agent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait(30)
