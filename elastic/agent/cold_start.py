@@ -19,12 +19,9 @@ OMP_NUM_THREADS), so the first start waits for its imports; restarts are forks.
 from __future__ import annotations
 
 import ast
-import contextlib
 import importlib.util
-import io
 import logging
 import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -48,13 +45,9 @@ RUN_PRELOAD = [
 _PRELOADED_ROOTS = ("torch", "torchvision")
 _told: set[str] = set()  # the cold-start reasons already logged
 
-# The interpreter options a worker inherits from the server (the agent's), all but -u
-# (torchrun's, which the forked worker makes for itself), as one printable value.
-_FLAGS_PROBE = (
-    "import sys; print(repr(sorted((n, getattr(sys.flags, n)) for n in dir(sys.flags) "
-    "if not n.startswith(('_', 'n_', 'count', 'index', 'unbuffered')))) "
-    "+ repr(sys._xoptions) + repr(sys.warnoptions))"
-)
+# The options that end an interpreter's own (the program follows them).
+_LAST_OPTIONS = ("-m", "-c")
+_TAKE_VALUE = ("-X", "-W", "--check-hash-based-pycs")  # their value is the next argument
 
 
 def note_cold(reason: str) -> None:
@@ -67,22 +60,22 @@ def note_cold(reason: str) -> None:
         logger.log(level, "Starting the workers cold (fresh processes): %s", reason)
 
 
-def _fresh_flags(executable: str) -> str | None:
-    """The options of a fresh ``python -u`` under this environment, or None."""
-    try:
-        out = subprocess.run(
-            [executable, "-u", "-c", _FLAGS_PROBE], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _own_flags() -> str:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        exec(_FLAGS_PROBE, {})
-    return buf.getvalue().strip()
+def interpreter_options(orig_argv: list[str] | None = None) -> list[str]:
+    """The options this interpreter was started with that a fresh ``python -u`` would not
+    have (``-X``, ``-O``, ``-W``, ``-I`` ...; ``-u`` is torchrun's own), from
+    ``sys.orig_argv``: a worker forked from the server inherits them. Flags the environment
+    sets (``PYTHONOPTIMIZE`` ...) are the same for both: a fresh worker gets that environment."""
+    argv = sys.orig_argv if orig_argv is None else orig_argv
+    options: list[str] = []
+    args = iter(argv[1:])
+    for arg in args:
+        if not arg.startswith("-") or arg.startswith(_LAST_OPTIONS) or arg == "-":
+            break  # the program (-m module, -mmodule, -c code, a script, stdin) follows
+        if arg != "-u":
+            options.append(arg)
+        if arg in _TAKE_VALUE:
+            options.append(next(args, ""))
+    return options
 
 
 def _script_source(target: str, module: bool) -> tuple[str | None, str]:
@@ -203,8 +196,7 @@ def cold_reason(target: str, module: bool, no_python: bool, run_path: bool) -> s
         return why
     if _sets_env_before_torch(source):
         return f"{source} sets environment variables before it imports torch."
-    fresh = _fresh_flags(executable)
-    if fresh != _own_flags():
+    if interpreter_options():
         return (
             "the agent runs with interpreter options (-X, -O, -W ...) that its workers, "
             "fresh `python -u` processes, would not have."
