@@ -157,10 +157,14 @@ class NodeAgent(LocalElasticAgent):
             spec.entrypoint, spec.args = script, args
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        """In place when every local worker can re-form in place (they keep their
-        processes), else torch's restart: stop, rendezvous, start."""
+        """In place when the group is healthy (a membership change, not a failure) and
+        every local worker can re-form in place (they keep their processes), else torch's
+        restart: stop, rendezvous, start. A failed group never re-forms in place: a worker
+        torch saw end (its fork server killed, say) can still be alive for a moment as
+        it dies, and a re-form would then go on with no worker at all."""
         host = self._host
-        if host is not None and host.ready(worker_group):
+        healthy = worker_group.state == WorkerState.HEALTHY
+        if host is not None and healthy and host.ready(worker_group):
             change, self._change = self._change, None
             host.reform_in_place(worker_group, change, self._rendezvous)
         else:

@@ -220,3 +220,38 @@ def test_a_user_script_dies_with_its_agent(cluster: LocalCluster, tmp_path: Path
     assert below, "the agent must have a worker"
     os.kill(agent.pid, signal.SIGKILL)
     wait_until(lambda: not any(pid_alive(p) for p in below), 10, "the worker to die with it")
+
+
+def _fork_server(agent: int) -> int:
+    """The agent's fork server: its child whose own child is a worker (on Run, a script's
+    worker is a fork of the server)."""
+    from elastic.procs import children
+
+    found = [c for c in children(agent) if children(c)]
+    assert len(found) == 1, f"expected one fork server below agent {agent}, found {found}"
+    return found[0]
+
+
+def test_a_killed_fork_server_restarts_its_worker(cluster: LocalCluster, tmp_path: Path) -> None:
+    """kill -9 of node a's fork server: its worker dies with it (the server is its parent),
+    and a's agent must start a new worker (a cold or newly served one) instead of taking the
+    next round in place with none: the job finishes, every step once, the fault-free model.
+    (Seen: a re-form in place with no worker, the job standing still until a node joined.)"""
+    epochs = 10
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    _reference(ref, epochs)
+    worker = [str(SCRIPT), *_args(out), f"--epochs={epochs}", "--step-delay=0.05"]
+    a = cluster.start("a", worker=worker)
+    b = cluster.start("b", worker=worker)
+    cluster.wait_for(
+        lambda: [e for e in cluster.steps() if e["world_size"] == 2 and e["step"] >= 20],
+        "20 steps at world 2",
+        240,
+    )
+    server = _fork_server(a.pid)
+    os.kill(server, signal.SIGKILL)
+    assert all(n.wait(300) == 0 for n in (a, b)), cluster.logs()
+    assert not pid_alive(server)
+    pids = {r["pid"] for r in _records(out)}
+    assert len(pids) == 3, f"expected one new worker on a, got pids {pids}"
+    _check_result(cluster, out, ref, epochs)
