@@ -24,12 +24,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from elastic.inplace.formstore import FormingStore
+
 logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=5)  # of an in-place group: bounds how long a stuck op lives on
 _timeout = TIMEOUT  # this process's, from elastic.init_process_group(timeout=...)
 KEY_PREFIX = "elastic/inplace"
 _DROPPED: list[Any] = []
+_FORMING: list[FormingStore] = []  # every round's, kept as _DROPPED keeps its groups
 
 
 def init_alone(backend: str = "gloo", timeout: timedelta | None = None) -> None:
@@ -69,13 +72,27 @@ def drop_world() -> None:
 
 
 def form(
-    round_: int, rank: int, world_size: int, host: str, port: int, backend: str = "gloo"
+    round_: int,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str = "gloo",
+    interrupt: Callable[[], None] | None = None,
 ) -> float:
     """Drop the current groups and form round ``round_``'s default group through its
-    bootstrap store at ``host:port``; returns the seconds it took."""
+    bootstrap store at ``host:port``; returns the seconds it took. ``interrupt`` is called
+    while a store wait of this group's formations (this one, and later ``new_group`` calls
+    such as :func:`side_group`) polls, and raises to give up (:mod:`.formstore`)."""
     started = time.perf_counter()
     drop_world()
-    store = dist.PrefixStore(f"{KEY_PREFIX}/{round_}/", client(host, port))
+    bootstrap: dist.Store = client(host, port)
+    if interrupt is not None:
+        bootstrap = FormingStore(bootstrap, interrupt)
+        # The Python object must outlive every C++ holder (the groups' PrefixStores):
+        # without it, a later call finds no Python override and torch asserts.
+        _FORMING.append(bootstrap)
+    store = dist.PrefixStore(f"{KEY_PREFIX}/{round_}/", bootstrap)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=_timeout
     )

@@ -14,6 +14,7 @@ from elastic.errors import RecoveryError
 from elastic.inplace import channel, groups
 from elastic.inplace.channel import Assignment, Registration, Watcher
 from elastic.inplace.guard import StepGuard
+from elastic.recovery.exchange import Interrupted
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,15 @@ class Member:
         waited = time.perf_counter() - started
         try:
             formed = groups.form(
-                got.round, got.rank, got.world_size, got.master_addr, got.master_port
+                got.round,
+                got.rank,
+                got.world_size,
+                got.master_addr,
+                got.master_port,
+                interrupt=lambda: self.give_up_on(got.round),
             )
+        except RecoveryError:  # interrupted by a newer round, or this node leaves
+            raise
         except Exception as exc:
             raise RecoveryError(
                 f"The group of round {got.round} could not form in place ({exc}); the "
@@ -128,6 +136,23 @@ class Member:
         self.watcher.joined(got.round)
         channel.register(self.prefix, Registration(os.getpid(), got.round))
         return got, waited, formed
+
+    def give_up_on(self, round_: int) -> None:
+        """Raise when a wait in the formation of round ``round_``'s groups is pointless: a
+        newer round is formed (a rank of this one is gone, or more came), or this node
+        leaves. Called while the formation's store waits (:mod:`.formstore`).
+
+        Raises:
+            Interrupted: a newer round is formed.
+            RecoveryError: this node leaves the job.
+        """
+        newer = self.watcher.newest
+        if newer is not None and newer.formed_after(round_):
+            raise Interrupted(
+                f"Round {newer.round} formed while the groups of round {round_} were forming."
+            )
+        if self.leaving:
+            raise RecoveryError("This node leaves the job.")
 
     def _all_ready(self, got: Assignment, deadline: float) -> Assignment:
         """Wait until every rank of ``got``'s round is ready to form it; a newer round (a

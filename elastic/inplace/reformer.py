@@ -46,7 +46,14 @@ class InPlaceGroup:
     def join(self) -> Assignment:
         assert self.member is not None
         self.guard.install(self.run.model, self.run.optimizer, self.run.scheduler)
-        return self.member.join()[0]
+        for attempt in range(REFORM_ATTEMPTS):
+            try:
+                return self.member.join()[0]
+            except Interrupted as exc:  # a newer round formed while this one's group formed
+                if attempt + 1 == REFORM_ATTEMPTS:
+                    raise
+                logger.warning("Joining the job was interrupted: %s", exc)
+        raise AssertionError("unreachable")
 
     @property
     def control(self) -> dist.ProcessGroup | None:

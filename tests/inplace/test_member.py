@@ -15,6 +15,7 @@ from elastic.errors import RecoveryError
 from elastic.inplace import channel, groups
 from elastic.inplace.channel import Assignment
 from elastic.inplace.member import BROKEN, NOT_YET, READY, READY_PREFIX, Member
+from elastic.recovery.exchange import Interrupted
 
 
 class DictStore:
@@ -100,3 +101,16 @@ def test_a_leave_note_makes_the_member_leave(member: Member, stores: dict[int, D
     assert member.leaving and member.guard.aborted is not None
     with pytest.raises(RecoveryError, match="leaves the job"):
         member._poll_ready(stores[7], ["missing"], 2, time.monotonic() + 5)
+
+
+def test_a_formation_gives_up_on_its_round_once_a_newer_one_forms(member: Member) -> None:
+    member.give_up_on(2)  # nothing newer: the wait goes on
+    _offer(member, Assignment(3, pending=True))
+    member.give_up_on(2)  # being formed, not formed
+    _offer(member, _round(3))
+    member.give_up_on(3)  # the round being formed is the newest
+    with pytest.raises(Interrupted, match="Round 3 formed while the groups of round 2"):
+        member.give_up_on(2)
+    _offer(member, Assignment(4, pending=True, abort=True, leave=True))
+    with pytest.raises(RecoveryError, match="leaves the job"):
+        member.give_up_on(3)
