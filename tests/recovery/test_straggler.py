@@ -121,7 +121,10 @@ def test_a_stuck_worker_is_named_and_the_group_goes_on(
     out = tmp_path / "out"
     worker = [str(Path(__file__)), *_args(out, epochs), "--step-delay=0.03"]
     calm = {"ELASTIC_HANG": f"{bound:g},5"}
-    a = cluster.start("a", worker=worker, extra_env=calm)
+    # a's steps take 8 times as long from the hang on: b's new worker (2-5 s away) must come
+    # back before the job's last step for its resume to be seen (a fast run once finished
+    # the 60 steps left in 2 s, before it did)
+    a = cluster.start("a", worker=worker, extra_env={**calm, SLOW_ENV: "8,21"})
     b = cluster.start("b", worker=worker, extra_env={**calm, HANG_AT_ENV: "20"})
     hang = cluster.wait_for(lambda: cluster.events("worker.hang"), "worker.hang", 120)[0]
     stacks = cluster.events("worker.stacks")
