@@ -34,11 +34,11 @@ logger = logging.getLogger(__name__)
 # What a script on elastic.Run imports besides torch: preloaded for it (a plain torchrun
 # script gets torch only; a joining node's worker forks once the server's imports are done).
 # torch._dynamo: DDP's constructor imports it (2-3 s of CPU with sympy); the checkpoint code
-# (DCP, ~1 s) is left to Run, which imports it before it joins when checkpoints are on.
+# (DCP, ~1 s) and the commit fence (etcd, grpc: ~0.1 s) are left to Run, which imports them
+# before it joins when checkpoints are on.
 RUN_PRELOAD = [
     "torch._dynamo",
     "elastic.recovery",
-    "elastic.rendezvous.fence",
 ]
 # What imports the server made: a script that sets the environment before one of these
 # means to steer that import.

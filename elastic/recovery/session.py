@@ -143,14 +143,13 @@ class Run:
         self._step_end = StepEnd(self)
         self._group = paths.pick(self)  # the one choice of path
         self._member = self._group.member
-        if self._member is not None or os.environ.get(env.FENCE):
-            # The round's commit fence is made as soon as the group forms: its module
-            # (the etcd client, grpc: ~0.1 s) is imported now, while no peer waits on us.
-            import elastic.rendezvous.fence
         if checkpoint_url is not None or getattr(checkpoint, "enabled", False):
-            # So is the checkpoint code (DCP: ~1 s), which the fork server of a script on
-            # Run no longer preloads (a script without checkpoints never needs it).
-            import elastic.checkpoint  # noqa: F401
+            # The checkpoint code (DCP: ~1 s) and the round's commit fence (the etcd client,
+            # grpc: ~0.1 s) are imported now, while no peer waits on us. A script without
+            # checkpoints never needs them, and the fork server of a script on Run does not
+            # preload them: they would delay a joiner's first worker.
+            import elastic.checkpoint
+            import elastic.rendezvous.fence  # noqa: F401
         self._join_group()
         self._configure_checkpoints(checkpoint, checkpoint_url, checkpoint_every, keep_last)
         self._init_from = init_from or getattr(checkpoint, "init_from", None)
@@ -170,7 +169,17 @@ class Run:
         self._round = joined.round if joined is not None else _round_of(self._fence)
 
     def _set_fence(self, value: str | None) -> None:
-        self._fence = _fence_from_env(value)
+        """The round's commit fence: ``value`` (the round's FenceSpec JSON) or the
+        environment's, made when first used (by the checkpoints)."""
+        self._fence_value = value
+        self._fence_made: Any = _UNMADE
+
+    @property
+    def _fence(self) -> Any:
+        """The round's commit fence (a RoundFence), or None."""
+        if self._fence_made is _UNMADE:
+            self._fence_made = _fence_from_env(self._fence_value)
+        return self._fence_made
 
     def _configure_checkpoints(
         self, checkpoint: Any, url: str | os.PathLike[str] | None, every: int, keep_last: int
@@ -505,6 +514,9 @@ def _exact(sampler: Any) -> Any:
     if type(sampler) is _TorchDistributedSampler:
         sampler.__class__ = DistributedSampler
     return sampler
+
+
+_UNMADE = object()  # a fence not made yet
 
 
 def _fence_from_env(value: str | None = None) -> Any:
