@@ -532,6 +532,12 @@ def _watch_once(conn: _Connection, create: Any, timeout: float) -> bool:
         for response in stream:
             if response.events or response.compact_revision or response.canceled:
                 return True
+            if response.created and 0 < create.start_revision <= response.header.revision:
+                # etcd moved past our start revision before the watch began: such a watch is
+                # "unsynced", and etcd sends its events from a catch-up loop that runs every
+                # 100 ms. The caller reads again instead (measured: a rank assignment read
+                # 0.1 s late when its key was written between the read and the watch).
+                return True
         return False
     except grpc.RpcError as exc:
         if _is_deadline(exc):
