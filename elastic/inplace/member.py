@@ -146,13 +146,24 @@ class Member:
             Interrupted: a newer round is formed.
             RecoveryError: this node leaves the job.
         """
-        newer = self.watcher.newest
-        if newer is not None and newer.formed_after(round_):
+        newer = self._newer(round_)
+        if newer is not None:
             raise Interrupted(
                 f"Round {newer.round} formed while the groups of round {round_} were forming."
             )
+
+    def _newer(self, round_: int) -> Assignment | None:
+        """A formed round newer than ``round_``, else None.
+
+        Raises:
+            RecoveryError: this node leaves the job.
+        """
+        newer = self.watcher.newest
+        if newer is not None and newer.formed_after(round_):
+            return newer
         if self.leaving:
             raise RecoveryError("This node leaves the job.")
+        return None
 
     def _all_ready(self, got: Assignment, deadline: float) -> Assignment:
         """Wait until every rank of ``got``'s round is ready to form it; a newer round (a
@@ -189,11 +200,9 @@ class Member:
             except Exception as exc:  # its host is gone: only a newer round can come
                 logger.info("The store of round %d went away (%s).", round_, exc)
                 store = None
-            newer = self.watcher.newest
-            if newer is not None and newer.formed_after(round_):
+            newer = self._newer(round_)
+            if newer is not None:
                 return newer
-            if self.leaving:
-                raise RecoveryError("This node leaves the job.")
             if time.monotonic() > deadline:
                 raise RecoveryError(
                     f"Not every rank of round {round_} became ready in time; the worker "
