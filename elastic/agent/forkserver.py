@@ -22,6 +22,7 @@ worker behind.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 START_METHOD = "forkserver"
 WORKER_MODULE = "elastic.training.worker"
 _INIT = "elastic.agent.forkserver_init"  # first: the server dies with the agent
+_READY = "elastic.agent.forkserver_ready"  # last: the server's heap is frozen for its forks
 # Imported once by the fork server of our worker; each worker then starts with them loaded.
 PRELOAD = [_INIT, "torch", "torch.distributed.checkpoint", "torchvision", WORKER_MODULE]
 # The fork server of a user's script: torch only (what the script imports first, and the
@@ -79,7 +81,7 @@ def start_server(modules: Sequence[str] = PRELOAD, extra_env: dict[str, str] | N
     extra = {k: v for k, v in (extra_env or {}).items() if k not in os.environ}
     _server_env.update(os.environ, **extra)
     started = time.monotonic()
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(modules))
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(_preload(modules))
     os.environ.update(extra)
     try:
         forkserver.ensure_running()
@@ -109,6 +111,8 @@ def fork_server(modules: Sequence[str] = PRELOAD) -> None:
     if _started:
         return
     _started = True
+    collecting = gc.isenabled()
+    gc.disable()  # an import's objects live on: a collection pass over them is wasted
     import torch  # noqa: F401  (the server forks with it)
 
     _server_env.update(os.environ)
@@ -124,11 +128,16 @@ def fork_server(modules: Sequence[str] = PRELOAD) -> None:
         alive_r, alive_w = os.pipe()  # the server ends once every holder of alive_w closed it
         sys.stdout.flush()
         sys.stderr.flush()
+        # Neither process walks the other's imports again in a collection: a walk writes
+        # to each object's header, copying the pages they share (elastic.agent.forkserver_ready).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
-            _serve(listener.fileno(), alive_r, alive_w, list(modules))
+            _serve(listener.fileno(), alive_r, alive_w, _preload(modules))
+        if collecting:
+            gc.enable()
         os.close(alive_r)
-        server._preload_modules = list(modules)
+        server._preload_modules = _preload(modules)
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
@@ -137,6 +146,11 @@ def fork_server(modules: Sequence[str] = PRELOAD) -> None:
         time.monotonic() - started,
         ", ".join(modules),
     )
+
+
+def _preload(modules: Sequence[str]) -> list[str]:
+    """``modules`` for the server to import, :data:`_READY` last (it freezes the heap)."""
+    return [*(m for m in modules if m != _READY), _READY]
 
 
 def _serve(listener_fd: int, alive_r: int, alive_w: int, modules: list[str]) -> NoReturn:

@@ -7,14 +7,20 @@ keep the server alive, and the server (their parent) keeps them alive: a worker 
 training with its peers without an agent (seen: 3 s, until the rendezvous dropped the dead
 node). Asking Linux to kill the server when the agent dies breaks that loop; each worker
 in turn dies with the server.
+
+It also turns the cyclic garbage collector off while the server imports:
+:mod:`elastic.agent.forkserver_ready`, imported last, freezes what the imports made and
+turns it on again.
 """
 
+import gc
 import multiprocessing
 import os
 
 from elastic import env
 from elastic.procs import die_with_parent
 
+gc.disable()  # until elastic.agent.forkserver_ready: the server only imports
 die_with_parent()
 # Forked workers inherit this: they check that the server is still their parent when
 # they ask to die with it (it may have died between their fork and that request).

@@ -104,13 +104,15 @@ def assert_warm(job: Job, gen: list[dict[str, Any]]) -> None:
     assert all(s["ppid"] == server for s in gen)
     assert server in children(job.node.pid), "the worker's parent is not the agent's fork server"
     assert all("torch" in s["preloaded"] for s in gen), "torch was not imported before line 1"
+    # the server's imports are frozen out of the worker's collections (elastic.agent.forkserver_ready)
+    assert all(s["gc_frozen"] > 100_000 for s in gen), [s["gc_frozen"] for s in gen]
 
 
 def assert_same_as_cold(warm: dict[str, Any], cold: dict[str, Any]) -> None:
     warm_env = {k: v for k, v in warm["env"].items() if k not in PER_RUN}
     cold_env = {k: v for k, v in cold["env"].items() if k not in PER_RUN}
     assert warm_env == cold_env
-    for key in ("cwd", "path0", "file", "sigterm_default", "signals", "sid_is_pid"):
+    for key in ("cwd", "path0", "file", "sigterm_default", "signals", "sid_is_pid", "gc_enabled"):
         assert warm[key] == cold[key], key
     assert warm["argv"][0] == cold["argv"][0] == SCRIPT
     assert warm["argv"][2:] != [] and warm["argv"][2] == cold["argv"][2] == "--stop-file"
@@ -123,6 +125,7 @@ def test_plain_script_starts_warm_and_behaves_as_a_fresh_process(jobs: tuple[Job
     w0, c0 = warm.wait_generation(0), cold.wait_generation(0)
     assert_warm(warm, w0)
     assert all(s["ppid"] == cold.node.pid and s["preloaded"] == [] for s in c0), "not cold"
+    assert all(s["gc_enabled"] and s["gc_frozen"] == 0 for s in c0)
     for w, c in zip(w0, c0, strict=True):
         assert_same_as_cold(w, c)
     # kill -9 of a worker: restarted, warm again

@@ -4,8 +4,8 @@ argv: <out-dir> [--steps N] [--step-delay S] [--exit-code K] [--stop-file F] [--
 Reads RANK/WORLD_SIZE, forms a gloo group, trains a tiny DDP model N steps (``--stop-file``:
 until F exists, which every rank learns in the same step), then rank 0 exits K. Each start
 writes ``<out-dir>/start-<rank>-<pid>.json``: what it saw (pid, parent, argv, cwd,
-sys.path[0], __file__, the environment) and whether torch was imported before its first
-line ran. Rank 0 appends a ``train.step`` event per step to
+sys.path[0], __file__, the environment, the garbage collector's state) and whether torch
+was imported before its first line ran. Rank 0 appends a ``train.step`` event per step to
 ``$ELASTIC_EVENT_LOG`` (when set), the line the bench measures. ``--term-exit0``: on
 SIGTERM finish the step and exit 0 (a script that handles SIGTERM itself).
 """
@@ -15,6 +15,7 @@ import sys
 PRELOADED = sorted(m for m in ("torch", "torchvision", "elastic") if m in sys.modules)
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -53,6 +54,8 @@ def main() -> int:
             for s in (signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE, signal.SIGQUIT)
         },
         "sid_is_pid": os.getsid(0) == os.getpid(),
+        "gc_enabled": gc.isenabled(),
+        "gc_frozen": gc.get_freeze_count(),
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     }
     with open(os.path.join(args.out, f"start-{rank}-{os.getpid()}.json"), "w") as f:
