@@ -227,7 +227,8 @@ class InPlaceHost:
         started = time.monotonic()
         kind = change.kind.value if change is not None else "requested"
         if change is None or change.kind is not ChangeKind.JOINERS:
-            # A peer is gone: release the workers' collectives while the round forms.
+            # A peer is gone or asked for a new round (its step failed, or it stops): the
+            # old group's collectives may wait on it; release them while the round forms.
             self.announce_next_round(worker_group)
         pids = {w.local_rank: w.id for w in worker_group.workers}
         rendezvous(worker_group)

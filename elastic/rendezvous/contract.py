@@ -22,6 +22,7 @@ class ChangeKind(str, Enum):
 
     REQUESTED = "requested"  # the agent asked (its workers stopped for a peer's leave)
     JOINERS = "joiners"  # nodes wait to join
+    PEERS_ASKED = "peers_asked"  # a peer asked for a new round (its step failed, or it stops)
     PEERS_LOST = "peers_lost"  # a peer left the round: expired, reaped or left
     DROPPED = "dropped"  # this node is no longer a participant of its round
 

@@ -178,6 +178,7 @@ def test_a_worker_asking_for_a_round_is_heard_once_per_round(
     [
         (MembershipChange(ChangeKind.PEERS_LOST, 4, ("n2",)), True),
         (None, True),  # a worker asked
+        (MembershipChange(ChangeKind.PEERS_ASKED, 4, ("n2",), waiting=1), True),  # a peer's did
         (MembershipChange(ChangeKind.JOINERS, 4, waiting=1), False),
     ],
 )

@@ -104,7 +104,8 @@ def assert_warm(job: Job, gen: list[dict[str, Any]]) -> None:
     assert all(s["ppid"] == server for s in gen)
     assert server in children(job.node.pid), "the worker's parent is not the agent's fork server"
     assert all("torch" in s["preloaded"] for s in gen), "torch was not imported before line 1"
-    # the server's imports are frozen out of the worker's collections (elastic.agent.forkserver_ready)
+    # the server's imports are frozen out of the worker's collections
+    # (elastic.agent.forkserver_ready)
     assert all(s["gc_frozen"] > 100_000 for s in gen), [s["gc_frozen"] for s in gen]
 
 

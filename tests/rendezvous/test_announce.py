@@ -407,6 +407,29 @@ def test_two_newcomers_within_one_last_call_land_in_one_round(
     assert round_of(one) == start + 1
 
 
+def test_a_member_that_asks_for_a_new_round_is_no_joiner_to_the_others(
+    nodes: Callable[..., Nodes],
+) -> None:
+    """A member whose step failed (it saw a lost peer before the closer did) asks for a new
+    round. The others hear that it asked (PEERS_ASKED: their collectives may wait on it, so
+    an in-place agent releases them), not that a node waits to join (JOINERS: the round
+    trains on; seen in the bench: a survivor's worker stuck 2 s in the old group)."""
+    run = nodes("1:3")
+    handlers = run.add(3)
+    join_all(handlers)
+    asker = next(h for h in handlers if not h.is_closer)
+    others = [h for h in handlers if h is not asker]
+    asker.request_reform()
+    joined: dict[str, RendezvousInfo] = {}
+    thread = start_joining(asker, joined)
+    changes = changes_seen(others, 20, "the others hear of the request")
+    assert [(c.kind, c.nodes) for c in changes] == [(ChangeKind.PEERS_ASKED, (asker.name,))] * 2
+    infos = join_all(others)
+    thread.join(30)
+    infos[asker.name] = joined[asker.name]
+    assert_one_round(infos, handlers)
+
+
 def test_a_member_left_behind_by_close_timeout_is_no_joiner_until_it_announces(
     nodes: Callable[..., Nodes],
 ) -> None:

@@ -301,6 +301,14 @@ def test_tell_running_names_the_lost_the_waiting_and_the_released() -> None:
     assert round_.members == v.round.members
 
 
+def test_tell_running_names_the_members_that_asked_for_a_new_round() -> None:
+    # b announced again after round 1 (its step failed); c is a newcomer still held
+    v = view(round_of(1, "a", "b"), A, back(B, 1), C)
+    round_ = policy.tell_running(v, Timers(0.0, held_since=0.5), 1.0)
+    assert (round_.asked, round_.waiting, round_.lost) == (("b",), 2, ())
+    assert policy.tell_running(view(round_of(1, "a", "b"), A, B), Timers(0.0), 1.0).asked == ()
+
+
 @pytest.mark.parametrize(
     ("turn", "targets"),
     [(0, ["d", "b", "c"]), (1, ["d", "c", "b"]), (2, ["d", "b", "c"])],
@@ -329,6 +337,28 @@ CHANGES = {
     "left out": (round_of(4, "peer"), {}, ChangeKind.DROPPED),
     "a peer lost": (round_of(4, "me", "peer", lost=("peer",)), {}, ChangeKind.PEERS_LOST),
     "joiners": (round_of(4, "me", "peer", waiting=2), {}, ChangeKind.JOINERS),
+    # the peer's step failed first (it saw the lost node before the closer did): no joiner,
+    # our workers' collectives may wait on it (bench: kill -9, 2.1 s until the stuck check)
+    "a peer asked": (
+        round_of(4, "me", "peer", waiting=1, asked=("peer",)),
+        {},
+        ChangeKind.PEERS_ASKED,
+    ),
+    "a peer asked, and newcomers wait": (
+        round_of(4, "me", "peer", waiting=2, asked=("peer",), joining=("new",)),
+        {},
+        ChangeKind.PEERS_ASKED,
+    ),
+    "only we asked: our own request": (
+        round_of(4, "me", "peer", waiting=1, asked=("me",)),
+        {},
+        ChangeKind.JOINERS,
+    ),
+    "a peer lost outranks one that asked": (
+        round_of(4, "me", "peer", "third", waiting=1, asked=("peer",), lost=("third",)),
+        {"peers": frozenset({"me", "peer", "third"})},
+        ChangeKind.PEERS_LOST,
+    ),
 }
 
 

@@ -32,6 +32,9 @@ def test_a_round_reads_back_as_written() -> None:
     closed = Round(3, {"a": 0}, closed=True)
     assert parse_round(closed.encode()) == closed
     assert "closed" not in json.loads(round_.encode())  # as before: only once closed
+    asked = Round(3, {"a": 0, "b": 1}, waiting=1, asked=("b",))
+    assert parse_round(asked.encode()) == asked
+    assert "asked" not in json.loads(round_.encode())  # as before: only when someone asked
 
 
 def test_a_round_of_the_previous_release_reads() -> None:
@@ -65,6 +68,7 @@ def test_no_round_key_is_no_round() -> None:
         (b'{"round": true}', "has no int 'round'"),
         (b'{"members": {"a": "0"}}', "has a 'members' that maps names to non-integers"),
         (b'{"joining": [1]}', "has a 'joining' that lists non-names"),
+        (b'{"asked": [1]}', "has a 'asked' that lists non-names"),
         (b'{"closed": 1}', "has no bool 'closed'"),
     ],
 )
@@ -142,7 +146,13 @@ def test_a_signature_covers_the_key_the_bootstrap_address_and_the_closed_flag() 
     value = trust().seal(PREFIX + b"n1", ANNOUNCEMENT)
     assert decode_member(kv("n2", value), PREFIX, trust()) is None  # copied to another key
     sealed = json.loads(trust().seal(ROUND_KEY, ROUND))
-    for field, forged in (("master_addr", "10.6.6.6"), ("master_port", 6666), ("closed", True)):
+    forgeries = (
+        ("master_addr", "10.6.6.6"),
+        ("master_port", 6666),
+        ("closed", True),
+        ("asked", ["n2"]),
+    )
+    for field, forged in forgeries:
         doc = {**sealed, field: forged}
         assert decode_round(json.dumps(doc).encode(), trust()) is NO_ROUND, field
     member_sig = json.loads(value)["sig"]  # a member's signature does not pass for a round's

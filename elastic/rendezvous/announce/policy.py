@@ -19,7 +19,8 @@ The rules (the package docstring, :mod:`elastic.rendezvous.announce`, says why):
   last change, and, while members still run the old round, ``close_timeout`` since
   ``min_nodes`` were first ready. While members run a round nobody asked to leave, the
   ready nodes are candidates only once the running round is to hear of them.
-* **Tell the running round.** ``lost`` (members whose key vanished) and whether anyone
+* **Tell the running round.** ``lost`` (members whose key vanished), ``asked`` (members
+  that asked for a new round: the others' collectives may wait on them) and whether anyone
   waits: members that asked for a new round, named newcomers, and newcomers whose last
   call passed (at once when the round must re-form anyway; never into a full round that
   lost nobody).
@@ -304,13 +305,15 @@ def compose(view: View, number: int, closer: str) -> Round:
 
 
 def tell_running(view: View, timers: Timers, now: float) -> Round:
-    """The newest round, now telling its members who waits and who was lost."""
+    """The newest round, now telling its members who waits, who asked for a new round
+    and who was lost."""
     ready, _ = split(view)
     lost_ = lost(view)
     named = released(view, ready, lost_, timers, now)
     return replace(
         view.round,
         lost=lost_,
+        asked=tuple(sorted(m.name for m in ready if m.name in view.round.members)),
         waiting=waiting(view, ready, lost_, timers, now),
         joining=tuple(sorted({*view.round.joining, *(m.name for m in named)})),
     )
@@ -342,7 +345,9 @@ def membership_change(
     requested: bool,
 ) -> MembershipChange | None:
     """Why a node that joined round ``joined`` with ``peers`` must re-form, seeing
-    ``round_``; None while its round is the job (the agent's question)."""
+    ``round_``; None while its round is the job (the agent's question). A peer that asked
+    for a new round is no joiner: its step failed (a lost peer it saw first) or it stops,
+    so the group's collectives may wait on it, where a join lets the round train on."""
     if requested:
         return MembershipChange(ChangeKind.REQUESTED, joined, waiting=round_.waiting)
     if joined is None:
@@ -352,6 +357,11 @@ def membership_change(
     gone = peers & set(round_.lost)
     if gone:
         return MembershipChange(ChangeKind.PEERS_LOST, round_.round, tuple(sorted(gone)))
+    asked = (peers & set(round_.asked)) - {me}
+    if asked:
+        return MembershipChange(
+            ChangeKind.PEERS_ASKED, round_.round, tuple(sorted(asked)), waiting=round_.waiting
+        )
     if round_.waiting:
         return MembershipChange(ChangeKind.JOINERS, round_.round, waiting=round_.waiting)
     return None

@@ -120,6 +120,7 @@ class Round:
     joining: tuple[str, ...] = ()  # newcomers named for the next round
     lost: tuple[str, ...] = ()  # members whose key vanished
     stale: Mapping[str, int] = field(default_factory=dict)  # left out: node -> mod_revision
+    asked: tuple[str, ...] = ()  # members that asked for a new round (announced again)
     closed: bool = False  # the job finished
 
     def document(self) -> dict[str, Any]:
@@ -134,6 +135,8 @@ class Round:
             "lost": list(self.lost),
             "stale": dict(self.stale),
         }
+        if self.asked:
+            doc["asked"] = list(self.asked)
         if self.closed:
             doc["closed"] = True
         return doc
@@ -290,6 +293,7 @@ def parse_round(value: bytes) -> Round:
         waiting=_get(doc, "waiting", int, 0, "The round key"),
         joining=_str_tuple(doc, "joining", "The round key"),
         lost=_str_tuple(doc, "lost", "The round key"),
+        asked=_str_tuple(doc, "asked", "The round key"),
         stale=_str_map(doc, "stale", "The round key"),
         closed=_get(doc, "closed", bool, False, "The round key"),
     )
