@@ -113,8 +113,17 @@ def fork_server(modules: Sequence[str] = PRELOAD) -> None:
     _started = True
     collecting = gc.isenabled()
     gc.disable()  # an import's objects live on: a collection pass over them is wasted
-    import torch  # noqa: F401  (the server forks with it)
+    try:
+        import torch  # noqa: F401  (the server forks with it)
 
+        _fork(modules)
+    finally:  # the agent's own collections (the server's: elastic.agent.forkserver_ready)
+        if collecting:
+            gc.enable()
+
+
+def _fork(modules: Sequence[str]) -> None:
+    """Fork the server (its life: :func:`_serve`) and record it as multiprocessing's."""
     _server_env.update(os.environ)
     started = time.monotonic()
     server: Any = forkserver._forkserver
@@ -134,8 +143,6 @@ def fork_server(modules: Sequence[str] = PRELOAD) -> None:
         pid = os.fork()
         if pid == 0:
             _serve(listener.fileno(), alive_r, alive_w, _preload(modules))
-        if collecting:
-            gc.enable()
         os.close(alive_r)
         server._preload_modules = _preload(modules)
         server._forkserver_address = address
