@@ -139,12 +139,13 @@ def _fork(modules: Sequence[str]) -> None:
         sys.stderr.flush()
         # Neither process walks the other's imports again in a collection: a walk writes
         # to each object's header, copying the pages they share (elastic.agent.forkserver_ready).
+        preload = _preload(modules)
         gc.freeze()
         pid = os.fork()
         if pid == 0:
-            _serve(listener.fileno(), alive_r, alive_w, _preload(modules))
+            _serve(listener.fileno(), alive_r, alive_w, preload)
         os.close(alive_r)
-        server._preload_modules = _preload(modules)
+        server._preload_modules = preload
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid

@@ -153,6 +153,11 @@ def newcomers(view: View, ready: list[Member]) -> list[Member]:
     return [m for m in ready if m.name not in round_.members and m.name not in round_.joining]
 
 
+def askers(view: View, ready: list[Member]) -> list[Member]:
+    """Ready members of the newest round: each announced again, asking for a new round."""
+    return [m for m in ready if m.name in view.round.members]
+
+
 def hold(view: View, ready: list[Member], timers: Timers, now: float) -> Timers:
     """The newcomers' last call runs from the first newcomer not yet published (later ones
     share it); with no newcomer there is none."""
@@ -175,7 +180,7 @@ def released(
     current = view.round.members
     if not waiting or (len(current) >= view.limits.max_nodes and not lost_):
         return []  # nobody, or a full round goes on: they wait, as torch's redundancy list
-    asked = any(m.name in current for m in ready)
+    asked = bool(askers(view, ready))
     since = timers.held_since if timers.held_since is not None else now
     if lost_ or asked or now - since >= view.limits.last_call:
         return waiting
@@ -188,7 +193,7 @@ def waiting(
     """Ready nodes a new round could take: members that asked for one, the newcomers
     ``joining`` names, and those :func:`released` now."""
     round_ = view.round
-    asked = sum(1 for m in ready if m.name in round_.members)
+    asked = len(askers(view, ready))
     joining = sum(1 for m in ready if m.name in round_.joining)
     return asked + joining + len(released(view, ready, lost_, timers, now))
 
@@ -313,7 +318,7 @@ def tell_running(view: View, timers: Timers, now: float) -> Round:
     return replace(
         view.round,
         lost=lost_,
-        asked=tuple(sorted(m.name for m in ready if m.name in view.round.members)),
+        asked=tuple(sorted(m.name for m in askers(view, ready))),
         waiting=waiting(view, ready, lost_, timers, now),
         joining=tuple(sorted({*view.round.joining, *(m.name for m in named)})),
     )
@@ -375,6 +380,7 @@ __all__ = [
     "Limits",
     "Timers",
     "View",
+    "askers",
     "compose",
     "decide",
     "early",
