@@ -92,6 +92,7 @@ import functools
 import itertools
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -138,6 +139,10 @@ CKPT_INTERVAL = 5
 MAX_STEPS = 2000  # never reached: the bench stops the job after the last event
 STEPS_BETWEEN = 8
 FREEZE_S = 10  # how long a frozen node stays frozen before SIGCONT
+# A hang comes at any moment of a heartbeat's cycle: the freeze waits a random part of one
+# (fast-failover's keep-alive interval, 1 s) after the pair trains, else it would come at
+# the same phase run after run (a fixed number of steps after the agents start).
+FREEZE_PHASE_S = 1.0
 KINDS = ("join", "leave", "kill", "freeze", "thaw", "worker_kill")
 PLAIN = ("plain-warm", "plain-cold")  # a plain torchrun-style script: the worker_kill scenario
 KILLS_PER_RUN = 2  # worker_kill: n2's worker, then n1's
@@ -560,12 +565,17 @@ def ordered(
 
 def freeze(cluster: LocalCluster, timeout: float) -> list[dict[str, Any]]:
     """n1 and n2 train; n2 is frozen (SIGSTOP of its agent and worker: a hung host), then
-    thawed after :data:`FREEZE_S` (SIGCONT): does it rejoin?"""
+    thawed after :data:`FREEZE_S` (SIGCONT): does it rejoin? The freeze comes a random
+    part of :data:`FREEZE_PHASE_S` after the pair trains (``phase_s`` in the event)."""
     start_pair(cluster, ("n1", "n2"), STEPS_BETWEEN, timeout)
+    phase = random.uniform(0.0, FREEZE_PHASE_S)
+    until = time.monotonic() + phase
+    cluster.wait_for(lambda: time.monotonic() >= until, "the freeze's phase", phase + 5, 0.01)
     node = cluster.nodes["n2"]
     pids = [node.pid, *descendants(node.pid)]
     stop = functools.partial(_signal_all, pids, signal.SIGSTOP)
     entry, first = measure(cluster, "freeze", "n2", 1, stop, timeout)
+    entry["phase_s"] = round(phase, 3)
     if first is not None:
         _annotate(cluster, entry, first)
     cluster.wait_for(lambda: time.time() - entry["t"] >= FREEZE_S, "the freeze", FREEZE_S + 5)
