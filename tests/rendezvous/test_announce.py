@@ -430,39 +430,6 @@ def test_a_member_that_asks_for_a_new_round_is_no_joiner_to_the_others(
     assert_one_round(infos, handlers)
 
 
-def test_a_member_back_after_its_key_expired_is_heard_of_without_the_last_call(
-    nodes: Callable[..., Nodes],
-) -> None:
-    """A frozen node's key expires and the others re-form without it; thawed, it announces
-    with its old round behind it. Its agent (in place, its worker too) is up, so the running
-    round hears of it at once, not after the newcomers' last call (the bench's thaw took
-    1.24 s, most of it the 1 s last call), and takes it back in one round."""
-    last_call = 5.0
-    run = nodes("1:3", last_call_timeout=str(last_call))
-    handlers = run.add(3)  # max_nodes: the first round closes at once
-    join_all(handlers)
-    frozen = next(h for h in handlers if not h.is_closer)
-    others = [h for h in handlers if h is not frozen]
-    frozen._client.delete(frozen._keys.members + frozen.name.encode())  # as if it expired
-    changes = changes_seen(others, 20, "the others to see the lost member")
-    assert {c.kind for c in changes} == {ChangeKind.PEERS_LOST}
-    infos = join_all(others)  # early close: every live member is back
-    assert_one_round(infos, others)
-    start = round_of(others[0])
-    dropped = wait_until(frozen.membership_change, 20, "the frozen node to see it was dropped")
-    assert dropped.kind is ChangeKind.DROPPED
-    joined: dict[str, RendezvousInfo] = {}
-    back = time.monotonic()
-    thread = start_joining(frozen, joined)
-    heard = first_change_at(others, "JOINERS") - back
-    assert heard < last_call / 2, f"JOINERS {heard:.2f} s after it came back: its last call"
-    infos = join_all(others)
-    thread.join(30)
-    infos.update(joined)
-    assert_one_round(infos, handlers)
-    assert round_of(frozen) == start + 1
-
-
 def test_a_member_left_behind_by_close_timeout_is_no_joiner_until_it_announces(
     nodes: Callable[..., Nodes],
 ) -> None:

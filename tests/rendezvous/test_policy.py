@@ -205,26 +205,12 @@ ROWS = {
         "0 ready of min_nodes=1",
         5.0 + policy.IDLE_WATCH_S,
     ),
-    "a stale member that announced again is a newcomer, back: released at once": Row(
+    "a stale member that announced again is a newcomer": Row(
         view(round_of(2, "a", stale={"b": 2}), A, back(B, 1), min_nodes=1),
         5.0,
-        Action.UPDATE,
-        "1 ready, waiting for 1 running members",
-        5.0 + CLOSE_TIMEOUT,
-    ),
-    "a node back after its lease expired (a thawed node) is released at once": Row(
-        view(round_of(5, "a", "b"), A, B, anew(C, 3)),
-        0.1,
-        Action.UPDATE,  # the running round hears of it now, not after the last call
-        "round 5 trains on; 1 wait",
-        0.1 + LAST_CALL,
-    ),
-    "a node back waits for room in a full round that lost nobody": Row(
-        view(round_of(5, "a", "b"), A, B, anew(C, 3), max_nodes=2),
-        0.1,
         Action.WAIT,
-        "round 5 trains on; 1 wait",
-        0.1 + LAST_CALL,
+        "round 2 trains on; 1 wait",
+        5.0 + LAST_CALL,
     ),
 }
 
@@ -313,17 +299,6 @@ def test_tell_running_names_the_lost_the_waiting_and_the_released() -> None:
     round_ = policy.tell_running(v, Timers(0.0, held_since=0.5), 1.0)
     assert (round_.lost, round_.waiting, round_.joining) == (("b",), 1, ("c",))
     assert round_.members == v.round.members
-
-
-def test_tell_running_releases_a_node_back_at_once_and_holds_a_new_one() -> None:
-    # c ran round 3 and is back (its lease expired); d is new: its last call runs
-    v = view(round_of(5, "a", "b"), A, B, anew(C, 3), D)
-    round_ = policy.tell_running(v, Timers(0.0, held_since=0.5), 1.0)
-    assert (round_.waiting, round_.joining) == (1, ("c",))
-    assert policy.tell_running(v, Timers(0.0, held_since=0.5), 0.5 + LAST_CALL).joining == (
-        "c",
-        "d",
-    )
 
 
 def test_tell_running_names_the_members_that_asked_for_a_new_round() -> None:

@@ -22,8 +22,8 @@ The rules (the package docstring, :mod:`elastic.rendezvous.announce`, says why):
 * **Tell the running round.** ``lost`` (members whose key vanished), ``asked`` (members
   that asked for a new round: the others' collectives may wait on them) and whether anyone
   waits: members that asked for a new round, named newcomers, and newcomers whose last
-  call passed (at once when the round must re-form anyway, or for a node that comes back
-  with a round of this run behind it; never into a full round that lost nobody).
+  call passed (at once when the round must re-form anyway; never into a full round that
+  lost nobody).
 """
 
 from __future__ import annotations
@@ -174,9 +174,8 @@ def released(
     """The newcomers the running round hears of now: none while their last call runs and
     the round is healthy (training goes on while the newcomer gets ready), all of them once
     it passed, and at once when the round must re-form anyway (a member lost or asking for
-    a new round); a :func:`returning` node at once. A new node that would fill the round
-    to ``max_nodes`` is held too: the bench's join (1:3, the third node) paused 1.38 s
-    median released at once, 0.6-0.8 s held."""
+    a new round). One that would fill the round to ``max_nodes`` is held too: the bench's
+    join (1:3, the third node) paused 1.38 s median released at once, 0.6-0.8 s held."""
     waiting = newcomers(view, ready)
     current = view.round.members
     if not waiting or (len(current) >= view.limits.max_nodes and not lost_):
@@ -185,15 +184,7 @@ def released(
     since = timers.held_since if timers.held_since is not None else now
     if lost_ or asked or now - since >= view.limits.last_call:
         return waiting
-    return [m for m in waiting if returning(m)]
-
-
-def returning(member: Member) -> bool:
-    """Whether ``member`` announced with a round of this run behind it (``after``): a node
-    that was cut off, frozen or left out and is back, its agent up (in place, its worker
-    too). It has nothing to get ready, so its last call is not held: released at once, as
-    torchft's quorum takes a replica back once every live one asks."""
-    return member.after >= 0
+    return []
 
 
 def waiting(
@@ -399,7 +390,6 @@ __all__ = [
     "next_round",
     "probe_targets",
     "renewed",
-    "returning",
     "split",
     "tell_running",
     "unready",
