@@ -63,8 +63,16 @@ class InPlaceGroup:
         return groups.side_group()
 
     def start(self) -> None:
+        """The first agreement on the state in the joined round's group. A peer lost or gone
+        on to a newer round meanwhile cuts it short; the newer round's group then re-forms
+        in place, as after a failed step (before, the joiner's script raised)."""
         self._on_new_group()
-        self.run._resumer.sync(live=False)
+        try:
+            self.run._resumer.sync(live=False)
+        except Interrupted as exc:
+            assert self.member is not None
+            logger.warning("The state of round %d was not agreed: %s", self.member.round, exc)
+            self.reform()
 
     @property
     def leaving(self) -> bool:

@@ -148,7 +148,8 @@ def agree(
 
 
 class Interrupted(RecoveryError):
-    """The agreement was cut short (a peer failed) before any state moved."""
+    """The agreement or the state's stream was cut short (a peer failed, or moved on to a
+    newer round) before this rank took any state."""
 
 
 def _encode(o: Offer) -> list[int]:
@@ -174,6 +175,9 @@ def _offer(rank: int, t: torch.Tensor) -> Offer:
     return Offer(live, (step, round_) if has else None, persisted)
 
 
+Runner = Callable[[Callable[[], Any]], bool]  # starts a collective (async_op) and waits
+
+
 def stream(
     meta: bytes | None,
     data: torch.Tensor | None,
@@ -181,6 +185,7 @@ def stream(
     receive: bool,
     group: dist.ProcessGroup | None = None,
     chunk: int = CHUNK,
+    run: Runner | None = None,
 ) -> tuple[bytes, torch.Tensor] | None:
     """Broadcast a snapshot (metadata and data bytes) from group rank ``src_rank``.
 
@@ -189,23 +194,31 @@ def stream(
     collectives with a scratch buffer. Returns ``(meta, data)`` on receivers, else None.
     Sizes are bounded before anything is allocated; with a job secret the bytes are
     authenticated (a keyed digest the source sends first) before they are returned.
+    ``run`` starts and waits for each broadcast (in place, the step guard's: a peer lost
+    or gone on to a newer round releases it instead of holding it for the group's
+    timeout, minutes).
+
+    Raises:
+        Interrupted: ``run`` said a broadcast failed or was released.
+        RecoveryError: the sizes are out of bounds, or the bytes are not authenticated.
     """
     src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
     sending = dist.get_rank(group) == src_rank
     started = time.perf_counter()
     key = _key()
-    meta_len, data_len, tag = _announce(meta, data, key, src_rank, sending, src, group)
+    cast = _broadcaster(src, src_rank, group, run)
+    meta_len, data_len, tag = _announce(meta, data, key, src_rank, sending, cast)
     meta_t = (
         torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         if sending and meta
         else torch.empty(meta_len, dtype=torch.uint8)
     )
-    dist.broadcast(meta_t, src=src, group=group)
+    cast(meta_t)
     out = data if sending and data is not None else _buffer(receive, data_len, chunk)
     for start in range(0, data_len, chunk):
         n = min(chunk, data_len - start)
         piece = out[start : start + n] if sending or receive else out[:n]
-        dist.broadcast(piece, src=src, group=group)
+        cast(piece)
     seconds = time.perf_counter() - started
     if sending or not receive:
         if sending:
@@ -228,14 +241,33 @@ def stream(
     return got, out
 
 
+def _broadcaster(
+    src: int, src_rank: int, group: dist.ProcessGroup | None, run: Runner | None
+) -> Callable[[torch.Tensor], None]:
+    """One broadcast from global rank ``src``: plain, or started and waited for by ``run``.
+
+    A released broadcast goes on in gloo's thread with its tensor: a receiver's buffer
+    is dropped with the exception, and a source's bytes (a view of its snapshot file)
+    stay mapped while gloo holds them (the file's close leaves an exported buffer)."""
+
+    def cast(t: torch.Tensor) -> None:
+        if run is None:
+            dist.broadcast(t, src=src, group=group)
+        elif not run(lambda: dist.broadcast(t, src=src, group=group, async_op=True)):
+            raise Interrupted(
+                f"A peer failed or moved on to a newer round while rank {src_rank} sent its state."
+            )
+
+    return cast
+
+
 def _announce(
     meta: bytes | None,
     data: torch.Tensor | None,
     key: bytes | None,
     src_rank: int,
     sending: bool,
-    src: int,
-    group: dist.ProcessGroup | None,
+    cast: Callable[[torch.Tensor], None],
 ) -> tuple[int, int, bytes]:
     """The source's sizes and digest, broadcast; checked on the others before use."""
     sizes = torch.zeros(2, dtype=torch.int64)
@@ -245,8 +277,8 @@ def _announce(
         sizes[0], sizes[1] = len(meta), data.numel()
         if key is not None:
             tag = torch.frombuffer(bytearray(_digest(key, meta, data)), dtype=torch.uint8)
-    dist.broadcast(sizes, src=src, group=group)
-    dist.broadcast(tag, src=src, group=group)
+    cast(sizes)
+    cast(tag)
     meta_len, data_len = int(sizes[0]), int(sizes[1])
     if not sending:
         _check_sizes(src_rank, meta_len, data_len)
@@ -296,13 +328,18 @@ def _check_sizes(src_rank: int, meta_len: int, data_len: int) -> None:
 
 
 def fetch(
-    plan: Plan, store: SnapshotStore, group: dist.ProcessGroup | None = None
+    plan: Plan,
+    store: SnapshotStore,
+    group: dist.ProcessGroup | None = None,
+    run: Runner | None = None,
 ) -> tuple[Any, str, int]:
     """Carry out a ``memory`` plan: holders decode their own snapshot, the source streams
-    it to the others. Returns ``(state, source, bytes received)``, source ``memory`` or
-    ``peer``; every rank of ``group`` must call it.
+    it to the others (each broadcast through ``run``, as :func:`stream`'s). Returns
+    ``(state, source, bytes received)``, source ``memory`` or ``peer``; every rank of
+    ``group`` must call it.
 
     Raises:
+        Interrupted: a broadcast of the stream failed or was released.
         RecoveryError: the held snapshot changed since the agreement.
     """
     rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
@@ -322,7 +359,12 @@ def fetch(
     if plan.needs_stream:
         src = rank == plan.src_rank
         got = stream(
-            meta if src else None, data if src else None, plan.src_rank, state is None, group
+            meta if src else None,
+            data if src else None,
+            plan.src_rank,
+            state is None,
+            group,
+            run=run,
         )
         if got is not None:
             state = decode(got[0], got[1], clone=True)

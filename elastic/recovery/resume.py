@@ -8,6 +8,7 @@ shared storage, a foreign checkpoint (``init_from``), or a fresh start.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,9 @@ class Resumer:
         ``peer``, ``storage``, ``foreign`` or ``fresh``)."""
         run = self.run
         started = time.perf_counter()
-        mine = (run.step, run._round_of_state) if live else None
+        # A rank that never took a state (a joiner whose first sync was cut short) offers
+        # none: its model is the fresh one.
+        mine = (run.step, run._round_of_state) if live and run._round_of_state >= 0 else None
         found = run._store.newest()
         held = (found[1].step, found[1].round) if found else None
         # Rank 0 reads the persisted step unless it holds a live state (a re-form): a live
@@ -118,9 +121,20 @@ class Resumer:
         events.emit("ckpt.init", url=url, seconds=seconds, rank=run.rank, missing=missing[:20])
 
     def _broadcast_model(self) -> None:
-        module = getattr(self.run.model, "module", self.run.model)
+        """Rank 0's fresh model to the others, each broadcast through the group's
+        ``collective`` (in place: released when a peer fails or moves on).
+
+        Raises:
+            Interrupted: a broadcast failed or was released.
+        """
+        run = self.run
+        module = getattr(run.model, "module", run.model)
         for tensor in module.state_dict().values():
-            dist.broadcast(tensor, src=0)
+            # On a copy: a released broadcast goes on in gloo's thread, writing its tensor.
+            work = tensor.detach().clone()
+            if not run._group.collective(functools.partial(_broadcast, work)):
+                raise exchange.Interrupted("A peer failed while rank 0 sent the fresh model.")
+            tensor.copy_(work)
 
     def _load_memory(self, plan: exchange.Plan, live: bool = False) -> None:
         """Load ``plan``'s state from memory or a peer. ``live``: this rank holds that state
@@ -130,7 +144,7 @@ class Resumer:
         run = self.run
         started = time.perf_counter()
         state, run.resumed_from, run.received_bytes = exchange.fetch(
-            plan, run._store, run._group.control
+            plan, run._store, run._group.control, run._group.collective
         )
         if live:
             run._apply_extra(state)
@@ -170,6 +184,11 @@ class Resumer:
         if run._checkpoints is None:
             return -1
         return exchange.persisted_step(run._checkpoints.cfg.url, run.run_id, run._fence)
+
+
+def _broadcast(tensor: Any) -> Any:
+    """Rank 0's ``tensor`` to the others, started (its work)."""
+    return dist.broadcast(tensor, src=0, async_op=True)
 
 
 __all__ = ["Resumer"]

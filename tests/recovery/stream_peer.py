@@ -44,12 +44,37 @@ def _receiver(case: str) -> None:
     print("OK")
 
 
+def _abandoned(rank: int, store: dist.Store) -> None:
+    """The source stays in the group but never sends (its node went on to a newer round):
+    the receiver's stream must end when its step guard is aborted, not at the timeout."""
+    if rank == 0:
+        store.wait(["released"], timedelta(seconds=60))
+        return
+    import threading
+    import time
+
+    from elastic.inplace.guard import StepGuard
+
+    guard = StepGuard()
+    threading.Timer(0.5, guard.abort, ("a newer round is formed",)).start()
+    started = time.monotonic()
+    try:
+        exchange.stream(None, None, 0, receive=True, run=guard.run)
+        print("RECEIVED")
+    except exchange.Interrupted:
+        print(f"INTERRUPTED {time.monotonic() - started:.2f}")
+    store.set("released", "1")
+
+
 def main(rank: int, path: str, case: str) -> None:
     store = dist.FileStore(path, 2)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=30)
     )
-    (_sender if rank == 0 else _receiver)(case)
+    if case == "abandoned":
+        _abandoned(rank, store)
+    else:
+        (_sender if rank == 0 else _receiver)(case)
     sys.stdout.flush()
     # No teardown: a refused peer leaves the group mid-protocol, and gloo may abort in its
     # destructors at exit; what is tested has been printed.

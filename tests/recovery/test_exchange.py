@@ -164,3 +164,14 @@ def test_a_peer_cannot_push_forged_or_oversized_state(
     tmp_path: Path, case: str, secrets: tuple[bytes | None, bytes | None], expected: str
 ) -> None:
     assert _pair(tmp_path, case, secrets).startswith(expected)
+
+
+@pytest.mark.integration  # two gloo processes
+def test_a_stream_whose_source_moved_on_ends_when_the_guard_is_aborted(tmp_path: Path) -> None:
+    """The source rank stays in the old group but never sends (it went on to a newer
+    round): the receiver's stream is released by its step guard's abort, as the agent's
+    newer round does, instead of waiting out the group's timeout (30 s here; minutes in a
+    job) while its peers wait in the newer round's formation for it."""
+    out = _pair(tmp_path, "abandoned", (None, None))
+    assert out.startswith("INTERRUPTED"), out
+    assert float(out.split()[1]) < 10.0, out
