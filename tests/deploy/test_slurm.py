@@ -157,9 +157,7 @@ def test_sbatch_survives_node_failure_drain_and_requeue(
 
     # The agents' steps start one after the other (srun); with --nnodes 1:3 the first may
     # train alone until the others arrive and are taken in. Three steps at world 3 count.
-    wait_until(
-        lambda: _last_step(log) >= 6 and _at_world(log, 3) >= 3, 150, "step 6, 3 at world 3"
-    )
+    wait_until(lambda: _last_step(log) >= 6 and _at_world(log, 3) >= 3, 150, "step 6, 3 at world 3")
     assert _steps(log)[-1]["world_size"] == 3, diag()
     batch = slurm.job_field(job, "BatchHost")
     crashed, drained = [n for n in slurm.nodes if n.name != batch][:2]
