@@ -51,10 +51,17 @@ def timeout_s() -> float:
 
 def drop_world() -> None:
     """Forget every process group as ``destroy_process_group`` does, but without
-    ``shutdown()`` (it would wait for a collective stuck on a frozen peer)."""
+    ``shutdown()`` (it would wait for a collective stuck on a frozen peer).
+
+    The group counter goes back to 0 even when no group is left: c10d names each group by
+    it (the default group ``"0"``) and prefixes the group's store keys with the name, and a
+    formation cut short (a newer round came) has counted a group it never made. Without
+    the reset, the next round's default group on this rank would be ``"1"`` and its peers'
+    ``"0"``: each would wait for keys the other never writes, for the store's timeout."""
+    world = c10d._world
+    world.group_count = 0
     if not dist.is_initialized():
         return
-    world = c10d._world
     _DROPPED.extend(list(world.pg_map))
     c10d._update_default_pg(None)
     for table in (

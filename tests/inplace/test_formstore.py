@@ -11,8 +11,9 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-from elastic.inplace import formstore
+from elastic.inplace import formstore, groups
 from elastic.inplace.formstore import FormingStore
 
 
@@ -72,6 +73,30 @@ def test_a_gloo_formation_whose_peer_never_comes_gives_up_with_the_interrupts_er
         )
     assert time.monotonic() - asked_at < 1.0
     assert not dist.is_initialized()
+
+
+def test_a_formation_cut_short_leaves_the_next_group_named_as_its_peers_name_theirs() -> None:
+    """c10d counts the group of a formation cut short: the next round's default group must
+    still be ``"0"`` (its store keys' prefix) on this rank, as on its peers (seen: a joiner
+    whose formation of round 5 was cut short formed round 6 as ``"1"``, and every rank of
+    round 6 waited 300 s for keys the others had written under the other name)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True)
+    forming = FormingStore(client, After(3))
+    with pytest.raises(NewerRound):
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore("r5/", forming),
+            rank=0,
+            world_size=2,
+            timeout=timedelta(minutes=5),
+        )
+    groups.drop_world()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert c10d._get_process_group_name(dist.group.WORLD) == "0"
+    finally:
+        dist.destroy_process_group()
 
 
 class GoneStore(dist.HashStore):
