@@ -75,7 +75,6 @@ def drop_world() -> None:
     ):
         table.clear()
     c10d._unregister_all_process_groups()
-    world.group_count = 0
 
 
 def form(

@@ -117,12 +117,15 @@ def decide(offers: list[Held | None], persisted: int) -> Plan:
     return Plan("fresh", world_size=world)
 
 
+Runner = Callable[[Callable[[], Any]], bool]  # starts a collective (async_op) and waits
+
+
 def agree(
     held: Held | None,
     persisted: int,
     group: dist.ProcessGroup | None = None,
     live: Held | None = None,
-    run: Callable[[Callable[[], Any]], bool] | None = None,
+    run: Runner | None = None,
 ) -> Plan:
     """All-gather the offers over ``group`` and decide with :func:`newest` (a world of one:
     locally); ``run`` starts and waits for the all-gather (in place, the step guard's
@@ -173,9 +176,6 @@ def _offer(rank: int, t: torch.Tensor) -> Offer:
         )
     live = (live_step, live_round) if has_live else None
     return Offer(live, (step, round_) if has else None, persisted)
-
-
-Runner = Callable[[Callable[[], Any]], bool]  # starts a collective (async_op) and waits
 
 
 def stream(

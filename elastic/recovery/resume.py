@@ -132,7 +132,8 @@ class Resumer:
         for tensor in module.state_dict().values():
             # On a copy: a released broadcast goes on in gloo's thread, writing its tensor.
             work = tensor.detach().clone()
-            if not run._group.collective(functools.partial(_broadcast, work)):
+            start = functools.partial(dist.broadcast, work, src=0, async_op=True)
+            if not run._group.collective(start):
                 raise exchange.Interrupted("A peer failed while rank 0 sent the fresh model.")
             tensor.copy_(work)
 
@@ -184,11 +185,6 @@ class Resumer:
         if run._checkpoints is None:
             return -1
         return exchange.persisted_step(run._checkpoints.cfg.url, run.run_id, run._fence)
-
-
-def _broadcast(tensor: Any) -> Any:
-    """Rank 0's ``tensor`` to the others, started (its work)."""
-    return dist.broadcast(tensor, src=0, async_op=True)
 
 
 __all__ = ["Resumer"]
