@@ -72,6 +72,7 @@ class InPlaceHost:
         self._fence_seen: tuple[str, int] = ("", -1)
         self._worker_files: dict[int, str] = {}  # each worker's registration file
         self._regs: dict[str, tuple[tuple[int, int, int, int], Registration | None]] = {}
+        self._reported: int | None = None  # the round last reported as run in place
 
     def channel_of(self, local_rank: int) -> Path:
         """The channel of local worker ``local_rank`` (its ``$ELASTIC_CHANNEL``); its
@@ -120,6 +121,7 @@ class InPlaceHost:
         for w in worker_group.workers:
             channel.remove(self.channel_of(w.local_rank))
         self._regs.clear()
+        self._report(None)
         self.write_assignments(worker_group)
 
     def write_assignments(self, worker_group: WorkerGroup) -> None:
@@ -165,6 +167,22 @@ class InPlaceHost:
             if reg is None or reg.pid != w.id or not alive(reg.pid):
                 return False
         return True
+
+    def report_round(self, worker_group: WorkerGroup) -> None:
+        """Tell the handler, when it changed, the round every local worker runs in place:
+        the one this node joined last, once each registered for it and none waits or asks
+        for a new one (None otherwise: a restart, or a switch under way)."""
+        current = self.joined_round()
+        regs = [self._registration(w.local_rank) for w in worker_group.workers]
+        settled = self.ready(worker_group) and all(
+            r is not None and r.round == current and not (r.waiting or r.want_round) for r in regs
+        )
+        self._report(current if settled and current >= 0 else None)
+
+    def _report(self, round_: int | None) -> None:
+        if round_ != self._reported:
+            self._reported = round_
+            self._handler.running_in_place(round_)
 
     def ended_before_round(self, worker_group: WorkerGroup) -> bool:
         """Whether every local worker registered last for a round older than the one this

@@ -260,6 +260,7 @@ class NodeAgent(LocalElasticAgent):
             self._end_frozen_workers(handler)
             if self._host is not None:
                 self._host.ask_for_round_if_wanted(worker_group)
+                self._host.report_round(worker_group)  # the closer's in-place rule
             self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
             return result
         if result.state != WorkerState.FAILED or not result.failures:

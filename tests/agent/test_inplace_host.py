@@ -30,6 +30,7 @@ class Handler:
         self.asked = 0
         self.left = 0
         self.leave_fails = False
+        self.in_place: list[int | None] = []  # what the host said, in order
 
     def fence(self) -> str:
         return FenceSpec("127.0.0.1:2379", "/elastic", "job", self.round).to_env()
@@ -56,6 +57,9 @@ class Handler:
 
     def round_view(self) -> tuple[int, int, int]:
         raise AssertionError("the host takes its round from the round joined, not the view")
+
+    def running_in_place(self, round_: int | None) -> None:
+        self.in_place.append(round_)
 
 
 def group(handler: Handler, ranks: list[int], world_size: int, pids: list[int]) -> WorkerGroup:
@@ -145,6 +149,28 @@ def test_ready_only_when_every_worker_registered_with_its_own_live_pid(
     register(host, 1, Registration(me, 4))
     assert host.ready(wg)
     assert not host.ready(group(handler, [], 0, []))  # no workers: torch's restart
+
+
+def test_the_round_run_in_place_is_reported_once_every_worker_runs_it(
+    host: InPlaceHost, handler: Handler
+) -> None:
+    me = os.getpid()
+    wg = group(handler, [0, 1], 2, [me, me])
+    register(host, 0, Registration(me, 4))
+    register(host, 1, Registration(me, 3))  # still in the round before: a switch under way
+    host.report_round(wg)
+    assert handler.in_place == []  # None, as before: nothing to say
+    register(host, 1, Registration(me, 4))
+    host.report_round(wg)
+    host.report_round(wg)
+    assert handler.in_place == [4]  # said once
+    register(host, 0, Registration(me, 4, waiting=True))  # its step failed on a lost peer
+    host.report_round(wg)
+    assert handler.in_place == [4, None]
+    register(host, 0, Registration(me, 4))
+    host.report_round(wg)
+    host.prepare_start(wg)  # a restart: the new workers run nothing yet
+    assert handler.in_place == [4, None, 4, None]
 
 
 def test_registrations_of_an_older_round_are_not_read(host: InPlaceHost, handler: Handler) -> None:

@@ -111,6 +111,8 @@ class _Handler:
     def round_view(self) -> tuple[int, int, int]:
         return (1, 0, 0)
 
+    def running_in_place(self, round_: int | None) -> None: ...
+
     def fence(self) -> str:
         return ""
 

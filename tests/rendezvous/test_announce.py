@@ -226,6 +226,31 @@ def test_ten_joiners_at_once_take_at_most_one_extra_round(nodes: Callable[..., N
     assert round_of(first[0]) == start + 1
 
 
+def test_a_round_run_in_place_hears_of_a_newcomer_without_its_last_call(
+    nodes: Callable[..., Nodes],
+) -> None:
+    """The closer's agent says its workers run the newest round in place: a newcomer is
+    named at once (the running ranks train on until its workers are ready), not after a
+    last call far longer than the whole exchange (the rule's other rows: test_policy)."""
+    last_call = 6.0
+    run = nodes("2:4", last_call_timeout=str(last_call))
+    first = run.add(2)
+    join_all(first)  # the first round: after the last call
+    for h in first:
+        h.running_in_place(round_of(h))
+    began = time.monotonic()
+    [newcomer] = run.add(1)
+    joined: dict[str, RendezvousInfo] = {}
+    thread = start_joining(newcomer, joined)
+    changes = changes_seen(first, 30, "JOINERS")
+    assert time.monotonic() - began < last_call / 2
+    assert {c.kind for c in changes} == {ChangeKind.JOINERS}
+    infos = join_all(first)
+    thread.join(30)
+    infos.update(joined)
+    assert_one_round(infos, [*first, newcomer])
+
+
 @pytest.mark.parametrize("n", [8, 32])
 def test_etcd_requests_per_node_per_round(nodes: Callable[..., Nodes], n: int) -> None:
     """Worst node's etcd requests for one round (keep-alives apart: one per second each)."""

@@ -74,3 +74,24 @@ def test_expiring_drops_the_closer_role() -> None:
     with state.cond:
         state.expire()
     assert state.expired and not state.closer
+
+
+@pytest.mark.parametrize(
+    ("newest", "in_place_round", "in_place"),
+    [
+        (3, 3, True),  # the closer's workers run the newest round in place
+        (4, 3, False),  # a newer round formed: they have not switched to it yet
+        (3, None, False),  # not in place (a restart, or workers not on Run)
+        (-1, -1, False),  # no round yet
+    ],
+)
+def test_the_view_says_in_place_only_for_the_newest_round(
+    newest: int, in_place_round: int | None, in_place: bool
+) -> None:
+    from elastic.rendezvous.announce.policy import Limits
+    from elastic.rendezvous.announce.records import Round
+
+    state = NodeState("me", "run")
+    state.round = Round(newest, {"me": 0} if newest >= 0 else {})
+    state.in_place_round = in_place_round
+    assert state.view(Limits(1, 2, 1.0, 30.0)).in_place is in_place

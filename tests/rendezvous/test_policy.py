@@ -36,9 +36,11 @@ def round_of(number: int, *names: str, **fields: object) -> Round:
     return Round(number, {n: rank for rank, n in enumerate(names)}, **fields)  # type: ignore[arg-type]
 
 
-def view(round_: Round, *members: Member, min_nodes: int = 2, max_nodes: int = 4) -> View:
+def view(
+    round_: Round, *members: Member, min_nodes: int = 2, max_nodes: int = 4, in_place: bool = False
+) -> View:
     limits = Limits(min_nodes, max_nodes, LAST_CALL, CLOSE_TIMEOUT)
-    return View(round_, {m.name: m for m in members}, limits)
+    return View(round_, {m.name: m for m in members}, limits, in_place)
 
 
 NEW = Round()  # a run's first round: no round key yet
@@ -176,6 +178,34 @@ ROWS = {
         "round 1 trains on; 1 wait",
         2.5 + policy.IDLE_WATCH_S,
         Timers(last_change=0.0, held_since=0.0),
+    ),
+    "in place, a newcomer is heard at once (no last call)": Row(
+        view(round_of(1, "a", "b"), A, B, C, in_place=True),
+        0.5,
+        Action.UPDATE,
+        "round 1 trains on; 1 wait",
+        0.5 + LAST_CALL,
+    ),
+    "in place, a newcomer that fills the round is heard at once too": Row(
+        view(round_of(1, "a", "b"), A, B, C, max_nodes=3, in_place=True),
+        0.5,
+        Action.UPDATE,
+        "round 1 trains on; 1 wait",
+        0.5 + LAST_CALL,
+    ),
+    "in place, the running round heard already: wait": Row(
+        view(round_of(1, "a", "b", waiting=1, joining=("c",)), A, B, C, in_place=True),
+        0.6,
+        Action.WAIT,
+        "round 1 trains on; 1 wait",
+        0.6 + policy.IDLE_WATCH_S,
+    ),
+    "in place, a full round still trains on": Row(
+        view(round_of(1, "a", "b"), A, B, C, max_nodes=2, in_place=True),
+        0.5,
+        Action.WAIT,
+        "round 1 trains on; 1 wait",
+        0.5 + LAST_CALL,
     ),
     "a member lost: the running round must hear": Row(
         view(round_of(1, "a", "b"), A),

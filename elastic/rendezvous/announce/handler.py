@@ -315,6 +315,11 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             requested=self._reform_requested,
         )
 
+    def running_in_place(self, round_: int | None) -> None:
+        """Note the round this node's workers run in place (None: none); the closer reads it."""
+        with self._state.cond:
+            self._state.in_place_round = round_
+
     def record_failed_round(self) -> int | None:
         """Count this round's failure in the job-wide ledger; None before any round."""
         if self._joined_round is None:

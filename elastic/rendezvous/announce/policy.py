@@ -22,8 +22,8 @@ The rules (the package docstring, :mod:`elastic.rendezvous.announce`, says why):
 * **Tell the running round.** ``lost`` (members whose key vanished), ``asked`` (members
   that asked for a new round: the others' collectives may wait on them) and whether anyone
   waits: members that asked for a new round, named newcomers, and newcomers whose last
-  call passed (at once when the round must re-form anyway; never into a full round that
-  lost nobody).
+  call passed (at once when the round must re-form anyway or re-forms in place; never into
+  a full round that lost nobody).
 """
 
 from __future__ import annotations
@@ -68,11 +68,15 @@ class Timers:
 
 @dataclass(frozen=True)
 class View:
-    """What the closer knows: the newest round, and every member key by node name."""
+    """What the closer knows: the newest round, every member key by node name, and whether
+    its own workers run the newest round in place (its agent's word: then a newcomer costs
+    the round one short re-form at a step boundary, never a restart, and the running ranks
+    train on until the newcomer's workers are ready)."""
 
     round: Round
     members: Mapping[str, Member]
     limits: Limits
+    in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,15 +178,19 @@ def released(
     """The newcomers the running round hears of now: none while their last call runs and
     the round is healthy (training goes on while the newcomer gets ready), all of them once
     it passed, and at once when the round must re-form anyway (a member lost or asking for
-    a new round). One that would fill the round to ``max_nodes`` is held too: the bench's
-    join (1:3, the third node) paused 1.38 s median released at once, 0.6-0.8 s held."""
+    a new round) or re-forms in place (``view.in_place``: its ranks train on in their group
+    until the newcomer's workers are ready, so the last call would only delay the join; in
+    the bench's join the newcomer's imports were done 0.4 s before its last call ended).
+    One that would fill the round to ``max_nodes`` is held too, unless in place: on a
+    restart the round stops at once and waits for the newcomer's worker (the bench's join
+    paused 1.38 s median released at once, 0.6-0.8 s held)."""
     waiting = newcomers(view, ready)
     current = view.round.members
     if not waiting or (len(current) >= view.limits.max_nodes and not lost_):
         return []  # nobody, or a full round goes on: they wait, as torch's redundancy list
     asked = bool(askers(view, ready))
     since = timers.held_since if timers.held_since is not None else now
-    if lost_ or asked or now - since >= view.limits.last_call:
+    if lost_ or asked or view.in_place or now - since >= view.limits.last_call:
         return waiting
     return []
 

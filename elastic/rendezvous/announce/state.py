@@ -59,10 +59,13 @@ class NodeState:
     high: int | None = None  # the newest round ever published (None: none)
     timers: Timers = field(default_factory=lambda: Timers(last_change=time.monotonic()))
     ports: dict[str, int] = field(default_factory=dict)  # probe ports by node name
+    # The round this node's workers run in place, as its agent last said (None: none).
+    in_place_round: int | None = None
 
     def view(self, limits: Limits) -> View:
         """The closer's frozen view for :mod:`.policy`."""
-        return View(self.round, dict(self.members), limits)
+        in_place = self.round.round >= 0 and self.in_place_round == self.round.round
+        return View(self.round, dict(self.members), limits, in_place)
 
     def touch(self, now: float) -> None:
         """The members changed at ``now`` (the last call starts again)."""
