@@ -24,7 +24,8 @@ heartbeats stop).
 
 Events, one JSON line each, appended to ``$ELASTIC_EVENT_LOG`` (the bench's shared event
 log; the same fields as elastic's): ``train.step`` (written by the step's participating rank
-0 after a committed step: step, world_size, loss, lr), and ``tft.phase`` (phase:
+0 after a committed step and its pace, where ``Run`` records a step: step, world_size, loss,
+lr), and ``tft.phase`` (phase:
 ``started`` (torch imported), ``ready`` (torchft imported, manager up), ``quorum`` (a new
 quorum: quorum_id, world_size, healed, seconds the quorum call took), ``left``).
 """
@@ -160,6 +161,9 @@ def main() -> None:
         loss = F.cross_entropy(model(x[idx]), y[idx])
         loss.backward()
         optimizer.step()  # commits (applies AdamW) only if every participant succeeded
+        # The step's pace is part of the step: it counts once its whole body is done, as a
+        # step on elastic.Run does (Run records it at the next boundary, after the pace).
+        time.sleep(args.step_delay)
         if manager.current_step() > step:
             scheduler.step()
             if rank == 0:
@@ -170,7 +174,6 @@ def main() -> None:
                     loss=round(loss.item(), 6),
                     lr=scheduler.get_last_lr()[0],
                 )
-        time.sleep(args.step_delay)
     emit("tft.phase", phase="left", step=manager.current_step())
     manager.shutdown(wait=False)
     del store
