@@ -48,10 +48,11 @@ race on one key, so a round costs O(N) writes per node. Here:
   ``max_nodes`` is held), or at once if the round must re-form anyway (a member lost or
   asking for one) or runs in place on the closer's node (its agent says so,
   :meth:`AnnounceRendezvousHandler.running_in_place`: the ranks train on until the
-  newcomer's workers are ready, so a last call would only delay the join). The round key then names them in ``joining``, and
-  the next round closes as soon as every live member and every named newcomer has
-  announced: no second last call. A node that arrives after that publication is left
-  for the following round (the wait list), and gets its last call while that one trains.
+  newcomer's workers are ready, so a last call would only delay the join). The round key
+  then names them in ``joining``, and the next round closes as soon as every live member
+  and every named newcomer has announced: no second last call. A node that arrives after
+  that publication is left for the following round (the wait list), and gets its last
+  call while that one trains (none once that round runs in place).
 * **Stale members.** A member left out of a round by ``close_timeout`` while it still ran
   the previous one (hung, or dead without a verified probe port) is listed in the round
   key's ``stale`` (name -> its key's ``mod_revision``); it is no joiner until it
