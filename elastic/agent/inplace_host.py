@@ -177,7 +177,7 @@ class InPlaceHost:
         settled = self.ready(worker_group) and all(
             r is not None and r.round == current and not (r.waiting or r.want_round) for r in regs
         )
-        self._report(current if settled and current >= 0 else None)
+        self._report(current if settled else None)
 
     def _report(self, round_: int | None) -> None:
         if round_ != self._reported:
