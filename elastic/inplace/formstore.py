@@ -29,12 +29,18 @@ GONE_WAIT_S = 30.0  # how long a wait on a store that went away waits for the ne
 
 class FormingStore(dist.Store):
     """``inner`` with waits that call ``interrupt()`` (which raises to give up) while they
-    poll; every other operation goes straight to ``inner``."""
+    poll; every other operation goes straight to ``inner``. ``wait_s`` is the least a wait
+    lasts whatever its caller asks: gloo asks its short connect timeout
+    (:data:`elastic.inplace.groups.FORM_TIMEOUT`), while a peer that is merely slow to
+    reach the formation must still be waited for, and ``interrupt`` ends a hopeless wait."""
 
-    def __init__(self, inner: dist.Store, interrupt: Callable[[], None]) -> None:
+    def __init__(
+        self, inner: dist.Store, interrupt: Callable[[], None], wait_s: float = 0.0
+    ) -> None:
         super().__init__()  # required for the pybind trampoline
         self._inner = inner
         self._interrupt = interrupt
+        self._wait_s = wait_s
         self._gone: tuple[Exception, float] | None = None  # (the inner store's error, when)
 
     def set(self, key: str, value: bytes | str) -> None:
@@ -64,11 +70,11 @@ class FormingStore(dist.Store):
 
         Raises:
             torch.distributed.DistStoreError: the keys did not come within ``timeout`` (the
-                inner store's own timeout when None).
+                inner store's own timeout when None), or ``wait_s`` when longer.
         """
         inner_timeout: timedelta = self._inner.timeout  # type: ignore[attr-defined]
         limit = (timeout if timeout is not None else inner_timeout).total_seconds()
-        limit = limit if limit > 0 else float("inf")  # c10d's kNoTimeout
+        limit = max(limit, self._wait_s) if limit > 0 else float("inf")  # 0: kNoTimeout
         started = time.monotonic()
         while not self._check(keys):
             self._interrupt()

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,16 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT = timedelta(minutes=5)  # of an in-place group: bounds how long a stuck op lives on
 _timeout = TIMEOUT  # this process's, from elastic.init_process_group(timeout=...)
+# Each connect attempt of a formation: gloo tries 5 times, so a peer that died after it
+# published its address holds the others ~5 x this (26 s measured at 5 s), not 5 x the
+# group's timeout (25 minutes, seen in CI: a node killed while a joiner's round formed);
+# a peer frozen for 8 s mid-connect still joins. The group's collectives then get _timeout.
+FORM_TIMEOUT = timedelta(seconds=5)
+_interrupt: Callable[[], None] | None = None  # the current round's (see form)
 KEY_PREFIX = "elastic/inplace"
 _DROPPED: list[Any] = []
 _FORMING: list[FormingStore] = []  # every round's, kept as _DROPPED keeps its groups
+_T = TypeVar("_T")
 
 
 def init_alone(backend: str = "gloo", timeout: timedelta | None = None) -> None:
@@ -90,19 +97,37 @@ def form(
     bootstrap store at ``host:port``; returns the seconds it took. ``interrupt`` is called
     while a store wait of this group's formations (this one, and later ``new_group`` calls
     such as :func:`side_group`) polls, and raises to give up (:mod:`.formstore`)."""
+    global _interrupt
     started = time.perf_counter()
     drop_world()
+    _interrupt = interrupt
     bootstrap: dist.Store = client(host, port)
     if interrupt is not None:
-        bootstrap = FormingStore(bootstrap, interrupt)
+        bootstrap = FormingStore(bootstrap, interrupt, wait_s=_timeout.total_seconds())
         # The Python object must outlive every C++ holder (the groups' PrefixStores):
         # without it, a later call finds no Python override and torch asserts.
         _FORMING.append(bootstrap)
     store = dist.PrefixStore(f"{KEY_PREFIX}/{round_}/", bootstrap)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=_timeout
+    _made(
+        lambda: dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=FORM_TIMEOUT
+        )
     )
+    dist.set_timeout(_timeout)
     return time.perf_counter() - started
+
+
+def _made(make: Callable[[], _T]) -> _T:
+    """``make()``, a group's formation. When it fails (gloo gave up on a peer that died or
+    froze mid-connect), the round's ``interrupt`` says first whether a newer round formed
+    meanwhile: its error (the member's :class:`~elastic.recovery.exchange.Interrupted`)
+    then replaces gloo's, and the re-form goes on in place to that round."""
+    try:
+        return make()
+    except Exception:
+        if _interrupt is not None:
+            _interrupt()
+        raise
 
 
 def client(host: str, port: int) -> dist.TCPStore:
@@ -145,12 +170,14 @@ SIDE_TIMEOUT = timedelta(minutes=10)  # a checkpoint's collectives wait for the 
 def side_group() -> dist.ProcessGroup:
     """A gloo group of every rank, for a thread of its own (background checkpoints: its
     collectives wait for every rank's writes, so it gets at least :data:`SIDE_TIMEOUT`)."""
-    group = dist.new_group(backend="gloo", timeout=max(_timeout, SIDE_TIMEOUT))
+    group = _made(lambda: dist.new_group(backend="gloo", timeout=FORM_TIMEOUT))
     assert isinstance(group, dist.ProcessGroup)
+    group.set_timeout(max(_timeout, SIDE_TIMEOUT))
     return group
 
 
 __all__ = [
+    "FORM_TIMEOUT",
     "KEY_PREFIX",
     "TIMEOUT",
     "client",

@@ -64,10 +64,11 @@ class InPlaceGroup:
 
     def start(self) -> None:
         """The first agreement on the state in the joined round's group. A peer lost or gone
-        on to a newer round meanwhile cuts it short; the newer round's group then re-forms
-        in place, as after a failed step (before, the joiner's script raised)."""
-        self._on_new_group()
+        on to a newer round meanwhile cuts it short, as it does the checkpoints' group
+        forming (a peer killed mid-connect); the newer round's group then re-forms in place,
+        as after a failed step."""
         try:
+            self._on_new_group()
             self.run._resumer.sync(live=False)
         except Interrupted as exc:
             assert self.member is not None

@@ -2,14 +2,20 @@
 
 Over torch's in-memory HashStore, and once through a real gloo formation in this process
 (a TCPStore on loopback, a world of 2 whose second rank never comes): the exception raised
-by ``interrupt`` reaches the caller of ``init_process_group`` unchanged, within a poll."""
+by ``interrupt`` reaches the caller of ``init_process_group`` unchanged, within a poll. A
+peer that dies between publishing its address and connecting holds gloo's connect, which
+no store wait covers: its bounded attempts end, and the newer round's error is raised."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -114,3 +120,109 @@ def test_a_store_that_went_away_waits_for_the_newer_round(monkeypatch: pytest.Mo
     monkeypatch.setattr(formstore, "GONE_WAIT_S", 0.01)
     with pytest.raises(dist.DistNetworkError, match="got 0 bytes"):
         FormingStore(GoneStore(), After(None)).wait(["k"])
+
+
+def test_a_formed_groups_collectives_wait_the_groups_timeout_not_the_connects() -> None:
+    """Gloo connects with :data:`groups.FORM_TIMEOUT`; the group's collectives (and the
+    checkpoints' side group's) then wait as long as before."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    try:
+        groups.form(3, 0, 1, "127.0.0.1", server.port, interrupt=After(None))
+        world = dist.group.WORLD
+        assert world is not None
+        cpu = torch.device("cpu")
+        assert world._get_backend(cpu).options._timeout == groups.TIMEOUT
+        side = groups.side_group()._get_backend(cpu).options._timeout
+        assert side == max(groups.TIMEOUT, groups.SIDE_TIMEOUT)
+        assert groups.FORM_TIMEOUT < groups.TIMEOUT
+    finally:
+        groups.drop_world()
+
+
+# Rank 1 of round 4: it publishes its gloo address, then stops (SIGSTOP of itself) before
+# it connects, as a node killed or frozen while a joiner's round formed (seen in CI: the
+# survivors sat in gloo's connect 25 minutes, five attempts of the group's 5-minute
+# timeout). Its device is on 127.0.0.2, above ours, so gloo makes it the side that
+# connects and ours the side that waits; the address goes to a staging key, published by
+# the test once the peer is stopped.
+STOPS_AFTER_ITS_ADDRESS = r"""
+import os, signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+
+class StopsAfterItsAddress(dist.Store):
+    def __init__(self, inner):
+        super().__init__()
+        self._inner = inner
+    def set(self, key, value):
+        self._inner.set("staged-value", value)
+        self._inner.set("staged-key", key)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    def get(self, key):
+        return self._inner.get(key)
+    def add(self, key, amount):
+        return self._inner.add(key, amount)
+    def check(self, keys):
+        return self._inner.check(keys)
+    def compare_set(self, key, expected, desired):
+        return self._inner.compare_set(key, expected, desired)
+    def wait(self, keys, timeout=None):
+        self._inner.wait(keys, timeout or timedelta(seconds=60))
+
+stopping = StopsAfterItsAddress(  # referenced: C++ holds it by pointer only
+    dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, use_libuv=True)
+)
+options = dist.ProcessGroupGloo._Options()
+options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.2")]
+options._timeout = timedelta(seconds=60)
+dist.ProcessGroupGloo(dist.PrefixStore(sys.argv[2], stopping), 1, 2, options)
+"""
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_a_peer_silent_mid_connect_ends_the_formation_with_the_newer_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(groups, "FORM_TIMEOUT", timedelta(seconds=1))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    peer = subprocess.Popen(
+        # the keys of round 4's default group ("0") on the cpu device
+        [
+            sys.executable,
+            "-c",
+            STOPS_AFTER_ITS_ADDRESS,
+            str(server.port),
+            f"{groups.KEY_PREFIX}/4//0//cpu/",
+        ]
+    )
+    published: list[float] = []
+
+    def publish_once_stopped() -> None:
+        deadline = time.monotonic() + 60
+        while not _stopped(peer.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.set(server.get("staged-key").decode(), server.get("staged-value"))
+        published.append(time.monotonic())
+
+    def interrupt() -> None:  # the agent forms round 5 soon after rank 1 went silent
+        if published and time.monotonic() - published[0] > 0.5:  # past the address's wait
+            raise NewerRound("round 5 formed")
+
+    threading.Thread(target=publish_once_stopped, daemon=True).start()
+    try:
+        with pytest.raises(NewerRound) as raised:
+            groups.form(4, 0, 2, "127.0.0.1", server.port, interrupt=interrupt)
+        assert "Connect timeout" in str(raised.value.__context__)  # gloo's, replaced
+        # gloo's 5 connect attempts of 1 s; with the group's own timeout: 25 minutes
+        assert time.monotonic() - published[0] < 20
+        assert _stopped(peer.pid) and not dist.is_initialized()
+    finally:
+        peer.kill()
+        peer.wait()
+        groups.drop_world()
