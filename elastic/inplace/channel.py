@@ -245,9 +245,14 @@ class Watcher:
         return self._newest
 
     def joined(self, round_: int) -> None:
-        """The worker now runs ``round_``: an abort for it or older is stale."""
+        """The worker now runs ``round_``: an abort for it or older is stale. One that fired
+        for a newer round while ``round_`` formed was cleared with the old group's guard
+        (``StepGuard.reset``), so the stuck check may fire for that round again: a collective
+        of ``round_`` can wait on a rank that went on to it (seen: a joined round's first
+        agreement waited out the group's 300 s timeout)."""
         with self._cond:
             self._joined_round = max(self._joined_round, round_)
+            self._aborted_round = min(self._aborted_round, self._joined_round)
 
     def _loop(self) -> None:
         path = paths(self.prefix)[0]

@@ -132,6 +132,37 @@ def test_a_collective_stuck_on_the_old_group_is_aborted_once_a_newer_round_forme
         watcher.close()
 
 
+def test_an_abort_that_fired_while_an_older_round_formed_does_not_silence_the_stuck_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker of round 1 forms round 2 (a join) while the agent aborts for round 3 (a
+    peer left): the abort fires, then joining round 2 resets the guard. A collective of
+    round 2 that waits on a rank gone on to round 3 must still be aborted."""
+    monkeypatch.setattr(channel, "STUCK_S", 0.2)
+    prefix = tmp_path / "ch"
+    channel.write_assignment(prefix, Assignment(1, rank=0, world_size=2))
+    aborts: list[str] = []
+    in_flight: list[float | None] = [None]
+    watcher = Watcher(prefix, aborts.append, lambda: in_flight[0])
+    try:
+        watcher.joined(1)
+        channel.write_assignment(prefix, Assignment(2, rank=0, world_size=3))  # the join
+        assert watcher.wait_for(1, 5) is not None  # round 2 is taken and forms ...
+        channel.write_assignment(prefix, Assignment(3, pending=True, abort=True))
+        deadline = time.monotonic() + 5
+        while not aborts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert aborts == ["the agent is forming round 3 without a lost peer"]
+        channel.write_assignment(prefix, Assignment(3, rank=0, world_size=2))
+        watcher.joined(2)  # ... and is joined: the guard was reset
+        in_flight[0] = time.monotonic()  # its first collective waits for good
+        while len(aborts) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(aborts) == 2 and "round 3 is formed" in aborts[1], aborts
+    finally:
+        watcher.close()
+
+
 BAD_ROUNDS = ["null", '"7"', "1e400", str(10**30), "true", "-2", "[1]"]
 
 
