@@ -105,17 +105,25 @@ def test_channel_files_live_in_the_agents_private_directory(tmp_path: Path) -> N
     assert stat.S_IMODE(channel.paths(prefix)[0].stat().st_mode) == 0o600
 
 
-def test_a_collective_stuck_on_the_old_group_is_aborted_once_a_newer_round_formed(
+def _stuck_watch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A peer whose agent stayed but whose worker died looks like a join to the others: the
-    old group's collective would wait on it for good, so the watcher aborts it."""
+) -> tuple[Path, list[str], list[float | None], Watcher]:
+    """A watcher of round 1 with a 0.2 s stuck check: its channel prefix, the aborts it
+    fires, the start of the collective in flight (settable: ``[None]`` is none) and itself."""
     monkeypatch.setattr(channel, "STUCK_S", 0.2)
     prefix = tmp_path / "ch"
     channel.write_assignment(prefix, Assignment(1, rank=0, world_size=2))
     aborts: list[str] = []
     in_flight: list[float | None] = [None]
-    watcher = Watcher(prefix, aborts.append, lambda: in_flight[0])
+    return prefix, aborts, in_flight, Watcher(prefix, aborts.append, lambda: in_flight[0])
+
+
+def test_a_collective_stuck_on_the_old_group_is_aborted_once_a_newer_round_formed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer whose agent stayed but whose worker died looks like a join to the others: the
+    old group's collective would wait on it for good, so the watcher aborts it."""
+    prefix, aborts, in_flight, watcher = _stuck_watch(tmp_path, monkeypatch)
     try:
         watcher.joined(1)
         channel.write_assignment(prefix, Assignment(2, rank=0, world_size=2))  # a "join"
@@ -138,12 +146,7 @@ def test_an_abort_that_fired_while_an_older_round_formed_does_not_silence_the_st
     """The worker of round 1 forms round 2 (a join) while the agent aborts for round 3 (a
     peer left): the abort fires, then joining round 2 resets the guard. A collective of
     round 2 that waits on a rank gone on to round 3 must still be aborted."""
-    monkeypatch.setattr(channel, "STUCK_S", 0.2)
-    prefix = tmp_path / "ch"
-    channel.write_assignment(prefix, Assignment(1, rank=0, world_size=2))
-    aborts: list[str] = []
-    in_flight: list[float | None] = [None]
-    watcher = Watcher(prefix, aborts.append, lambda: in_flight[0])
+    prefix, aborts, in_flight, watcher = _stuck_watch(tmp_path, monkeypatch)
     try:
         watcher.joined(1)
         channel.write_assignment(prefix, Assignment(2, rank=0, world_size=3))  # the join
