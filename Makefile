@@ -33,8 +33,8 @@ constraints: $(BIN)/elastic
 	$(BIN)/python .ci/constraints.py $(VENV)/report.json > constraints.txt
 
 lint: $(BIN)/elastic
-	$(BIN)/ruff check elastic tests bench
-	$(BIN)/ruff format --check elastic tests bench
+	$(BIN)/ruff check elastic elastic_tools tests bench
+	$(BIN)/ruff format --check elastic elastic_tools tests bench
 	$(BIN)/mypy
 
 # The compose end-to-end test needs Docker: install it (apt, as root) and build the local

@@ -61,11 +61,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 @functools.cache
 def _repo() -> Path:
-    """This checkout (:data:`elastic.harness.cluster.REPO`). Imported on first use, by the
+    """This checkout (:data:`elastic_tools.harness.cluster.REPO`). Imported on first use, by the
     parent only: a worker (``--worker``) must import the ``elastic`` package its
     ``PYTHONPATH`` names, which may be a baseline's."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
-    from elastic.harness.cluster import REPO
+    from elastic_tools.harness.cluster import REPO
 
     if REPO is None:  # not expected: sys.path starts with this checkout
         raise SystemExit("bench/checkpoint.py runs from a source checkout of elastic.")

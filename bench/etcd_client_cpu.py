@@ -67,7 +67,7 @@ def child(endpoint: str, impl: str, requests: int, warmup: int, value_bytes: int
 
 
 def run_child(endpoint: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
-    from elastic.harness.cluster import pythonpath
+    from elastic_tools.harness.cluster import pythonpath
 
     environ = dict(os.environ)
     environ.pop(IMPL_VAR, None)
@@ -122,7 +122,7 @@ def main() -> None:
 
     from google.protobuf import __version__ as protobuf_version
 
-    from elastic.harness.cluster import provenance
+    from elastic_tools.harness.cluster import provenance
 
     result: dict[str, Any] = {
         "provenance": provenance(),

@@ -4,7 +4,7 @@ Three check sets (``--checks``, all by default), each on the real code paths:
 
 ``snapshot``: ResNet-18 (CIFAR-sized input, batch 128) trains in this process on ``cuda:0``;
 short runs with and without per-step snapshots (pinned staging on a side stream,
-:class:`elastic.recovery.snapshot.Snapshotter`) interleave. Reports the step time of each
+:class:`elastic.worker.snapshot.Snapshotter`) interleave. Reports the step time of each
 (medians), the median paired ratio, and the stall the training thread saw per snapshot.
 
 ``restart``: one node (``elastic-agent``, one worker per GPU, up to two) trains our CNN
@@ -20,7 +20,7 @@ two ranks of a communicator on one GPU: with fewer GPUs they run on gloo, see
 
 * ``user``: a user's script on :class:`elastic.Run` (this file with ``--worker``: a small
   CNN under DDP on ``cuda``, ``elastic.init_process_group(backend)``);
-* ``cnn``: our worker (``elastic.training.worker``, ``configs/default.yaml``);
+* ``cnn``: our worker (``elastic_tools.training.worker``, ``configs/default.yaml``);
 
 meets each fault, always on the last agent's node: ``worker_kill`` (``kill -9`` of its
 worker), ``node_kill`` (``kill -9`` of the agent and its worker) and ``worker_freeze``
@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import torch
 
-from elastic.harness import benchjson
-from elastic.harness.cluster import (
+from elastic_tools.harness import benchjson
+from elastic_tools.harness.cluster import (
     REPO,
     AgentOptions,
     LocalCluster,
@@ -266,7 +266,7 @@ def snapshot_stall(device: torch.device, rounds: int, steps: int) -> dict[str, A
     """Interleaved short runs with and without per-step snapshots, in this process."""
     import torchvision
 
-    from elastic.recovery.snapshot import SnapshotStore, Snapshotter
+    from elastic.worker.snapshot import SnapshotStore, Snapshotter
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).to(device)
@@ -581,7 +581,7 @@ def user_worker(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     import elastic
-    from elastic.procs import WORKER_NAME, set_name
+    from elastic.node.procs import WORKER_NAME, set_name
 
     set_name(WORKER_NAME)  # LocalCluster.workers_of finds workers by this name
     cuda = torch.cuda.is_available()

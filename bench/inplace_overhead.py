@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from elastic.harness.cluster import (
+from elastic_tools.harness.cluster import (
     REPO,
     AgentOptions,
     LocalCluster,
@@ -146,7 +146,7 @@ def system(args: argparse.Namespace) -> dict[str, Any]:
 
 def _guard_class(path: str | None) -> Any:
     if path is None:
-        from elastic.inplace.guard import StepGuard
+        from elastic.worker.guard import StepGuard
 
         return StepGuard
     spec = importlib.util.spec_from_file_location("guard_under_test", path)
@@ -234,7 +234,7 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
         steps[f"{ms:g}ms"] = row
     return {
         "mode": "micro",
-        "guard": "elastic/inplace/guard.py",
+        "guard": "elastic/worker/guard.py",
         "other": args.guard,
         "steps": steps,
         "settings": {"block": args.block, "blocks": args.blocks, "products": work},

@@ -1,7 +1,8 @@
 """Recovery time after membership changes: our agent vs plain torchrun with ``c10d``, one run.
 
 Method. The same scenario runs under each launcher with the same worker
-(``elastic.training.worker``, ``configs/tiny.yaml``, ``job.min_step_s=0.25`` pacing (``--step-s``),
+(``elastic_tools.training.worker``, ``configs/tiny.yaml``, ``job.min_step_s=0.25`` pacing
+(``--step-s``),
 ``checkpoint.interval=5``), ``--nnodes=1:3 --nproc-per-node=1``,
 ``--max-restarts=10`` and ``--monitor-interval=0.3``, each run in its own temp
 dir with its own run id (and, for ours, its own etcd):
@@ -75,8 +76,9 @@ torchft backend in one sentence naming the pip line. Run them with ``--step-s 0.
 median (min-max) of every figure in seconds (``*_s``) per path and event, the phases
 included; ``versus_torchft`` the ratios of ``mlp-inplace`` over ``torchft``.
 
-The nodes are started and driven by :class:`elastic.harness.cluster.LocalCluster`, and the
-scenario is :func:`elastic.harness.cluster.membership_scenario` (``elastic demo`` runs it too).
+The nodes are started and driven by :class:`elastic_tools.harness.cluster.LocalCluster`, and the
+scenario is :func:`elastic_tools.harness.cluster.membership_scenario` (``elastic demo`` runs it
+too).
 The JSON output records the git commit and the UTC time of the run (``provenance``).
 
 Usage: ``python bench/recovery.py [--repeats K] [--with-defaults] [--backends LIST]
@@ -110,8 +112,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages first
 
-from elastic.harness import benchjson
-from elastic.harness.cluster import (
+from elastic.node import channel
+from elastic.node.procs import WORKER_NAME, descendants, started_at
+from elastic.node.procs import name as proc_name
+from elastic.rendezvous.options import FAST_FAILOVER_CONF
+from elastic_tools.harness import benchjson
+from elastic_tools.harness.cluster import (
     C10D,
     REPO,
     SCENARIO,
@@ -125,10 +131,6 @@ from elastic.harness.cluster import (
     pythonpath,
     start_pair,
 )
-from elastic.inplace import channel
-from elastic.procs import WORKER_NAME, descendants, started_at
-from elastic.procs import name as proc_name
-from elastic.rendezvous.options import FAST_FAILOVER_CONF
 
 if REPO is None:  # not expected: sys.path starts with this checkout
     raise SystemExit("bench/recovery.py runs from a source checkout of elastic.")
@@ -293,7 +295,7 @@ def _log_phases(cluster: LocalCluster, t0: float, t1: float) -> dict[str, float]
 
 def _annotate(cluster: LocalCluster, entry: dict[str, Any], first: dict[str, Any]) -> None:
     """Where the recovery time went: log markers and the checkpoint load (the training
-    pause is :func:`~elastic.harness.cluster.measure`'s ``pause_s``)."""
+    pause is :func:`~elastic_tools.harness.cluster.measure`'s ``pause_s``)."""
     t0 = entry["t"]
     entry.update(_log_phases(cluster, t0, first["ts"]))
     _inplace_phases(cluster, entry, t0, first["ts"])
@@ -389,7 +391,7 @@ class JoinTrace(threading.Thread):
     join until its first step at the new size (from outside: /proc and the agent's channel
     files, nothing in the processes changes). Per process below the agent: when it started
     (``/proc``, ~10 ms), its name, and its CPU seconds at each sample; per channel file
-    (``channel-<local rank>.{agent,worker}``, :mod:`elastic.inplace.channel`): each new
+    (``channel-<local rank>.{agent,worker}``, :mod:`elastic.node.channel`): each new
     version's mtime and contents, also of the ``others`` agents (name -> pid): when the
     running nodes' agents hand their workers the new round and the workers take it."""
 
@@ -959,7 +961,7 @@ def report(
         "torch": torch.__version__,
         "scenario": {
             "nodes": KILL_FIRST if kill_first_order else SCENARIO,
-            "worker": "elastic.training.worker configs/tiny.yaml",
+            "worker": "elastic_tools.training.worker configs/tiny.yaml",
             "scripts": {
                 "user-inplace": " ".join([*SCRIPTS["user-inplace"]]),
                 "mlp-inplace": " ".join([MLP_SCRIPT, *MLP_ARGS]),

@@ -1056,7 +1056,7 @@ def run_all(args: argparse.Namespace, counts: list[int], tmp: Path) -> dict[str,
 
 def run_stamp() -> dict[str, Any]:
     """The git commit (and whether the tree was dirty) and a UTC timestamp."""
-    from elastic.harness.cluster import provenance
+    from elastic_tools.harness.cluster import provenance
 
     return provenance()
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic.etcd.server import start_etcd
-from elastic.harness.benchjson import output
-from elastic.harness.cluster import AgentOptions, LocalCluster, agent_env, provenance
-from elastic.procs import descendants
+from elastic.node.procs import descendants
+from elastic_tools.harness.benchjson import output
+from elastic_tools.harness.cluster import AgentOptions, LocalCluster, agent_env, provenance
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

@@ -1,7 +1,7 @@
 """Worker throughput with a checkpoint every 10 steps vs checkpointing off, in one run;
 with ``--snapshot``: the cost of per-step shared-memory snapshots (elastic.Run).
 
-Runs the real worker loop (:class:`elastic.training.worker.Worker`, world of one, gloo)
+Runs the real worker loop (:class:`elastic_tools.training.worker.Worker`, world of one, gloo)
 in alternating blocks, ``--rounds`` times: ``--steps`` steps with checkpointing
 off, then ``--steps`` steps with an async checkpoint every ``--interval`` steps
 (the block waits for its last save to be durable, so no write cost escapes
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.harness.cluster import provenance
-from elastic.training.config import load_config
-from elastic.training.worker import Worker, _setup_torch, init_distributed
+from elastic_tools.harness.cluster import provenance
+from elastic_tools.training.config import load_config
+from elastic_tools.training.worker import Worker, _setup_torch, init_distributed
 
 
 def _block(worker: Worker, steps: int, interval: int | None) -> float:
@@ -121,8 +121,8 @@ def _peer_rank(rank: int, tmp: str, out: str) -> None:
 
     import torchvision
 
-    from elastic.recovery import exchange
-    from elastic.recovery.snapshot import SnapshotStore, Snapshotter
+    from elastic.worker import exchange
+    from elastic.worker.snapshot import SnapshotStore, Snapshotter
 
     dist.init_process_group(
         "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 2), rank=rank, world_size=2
@@ -187,7 +187,7 @@ def snapshot_bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
     import torchvision
 
-    from elastic.recovery.session import Run
+    from elastic.worker.session import Run
 
     torch.manual_seed(0)
     if args.threads:

@@ -1,11 +1,11 @@
 """torchft as a baseline of ``bench/recovery.py``: a Lighthouse and one replica group per node.
 
-:class:`TorchftCluster` is a :class:`~elastic.harness.cluster.LocalCluster` whose "nodes" are
+:class:`TorchftCluster` is a :class:`~elastic_tools.harness.cluster.LocalCluster` whose "nodes" are
 ``bench/torchft_user.py`` processes (one replica group each, no agent) and whose rendezvous
 is torchft's Lighthouse (the ``torchft_lighthouse`` console script) on a free loopback port.
 Everything else (the shared event log, the waits, SIGTERM for a leave, ``kill -9`` of a
 node, SIGSTOP for a frozen one, killing what it started on :meth:`close`) is the
-LocalCluster's, so :func:`~elastic.harness.cluster.membership_scenario` drives it unchanged.
+LocalCluster's, so :func:`~elastic_tools.harness.cluster.membership_scenario` drives it unchanged.
 
 torchft is not a dependency of elastic: :func:`missing` says in one sentence how to install
 it when it is absent (:data:`INSTALL`).
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.etcd.server import free_port
-from elastic.harness.cluster import LocalCluster, Node, WaitTimeout, poll
-from elastic.procs import kill
+from elastic.node.procs import kill
+from elastic_tools.harness.cluster import LocalCluster, Node, WaitTimeout, poll
 
 SCRIPT = Path(__file__).resolve().with_name("torchft_user.py")
 INSTALL = (

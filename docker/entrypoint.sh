@@ -1,7 +1,7 @@
 #!/bin/sh
 # Container entrypoint: run elastic-agent as PID 1 with this node's own address.
 #
-#   elastic-entrypoint [elastic-agent options...] -m elastic.training.worker ...   -> exec elastic-agent
+#   elastic-entrypoint [elastic-agent options...] -m elastic_tools.training.worker ...   -> exec elastic-agent
 #   elastic-entrypoint elastic status --etcd etcd:2379 --run-id compose   -> exec that command
 #
 # A container's hostname is its id; torch elastic would advertise that to its peers, so we add

@@ -21,11 +21,11 @@ from elastic._lazy import lazy_exports
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Run": "elastic.recovery.session",
-    "DistributedSampler": "elastic.recovery.sampler",
+    "Run": "elastic.worker.session",
+    "DistributedSampler": "elastic.worker.sampler",
     "RecoveryError": "elastic.errors",
-    "EXIT_CODE": "elastic.reform",
-    "init_process_group": "elastic.inplace",
+    "EXIT_CODE": "elastic.node.reform",
+    "init_process_group": "elastic.worker.process_group",
 }
 
 __all__ = [

@@ -1,6 +1,6 @@
 """A package's public names, imported on first use (PEP 562), so importing it stays light.
 
-``elastic`` and ``elastic.chaos`` both re-export names from their modules this way: a
+``elastic`` and ``elastic_tools.chaos`` both re-export names from their modules this way: a
 table says which module holds each name; :func:`lazy_exports` builds the package's
 ``__getattr__`` (import the module, keep the value in the package) and ``__dir__``.
 """

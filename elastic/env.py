@@ -32,7 +32,7 @@ SNAPSHOT_EVERY = "ELASTIC_SNAPSHOT_EVERY"  # steps between memory snapshots: N, 
 SNAPSHOT_OWNER = "ELASTIC_SNAPSHOT_OWNER"  # the agent pid whose node the snapshot files belong to
 SNAPSHOT_BACKGROUND = "ELASTIC_SNAPSHOT_BACKGROUND"  # 1/0: copy snapshots in a background thread
 CHANNEL = "ELASTIC_CHANNEL"  # path prefix of the agent <-> worker files for in-place re-forms
-IN_PLACE = "ELASTIC_IN_PLACE"  # 0 = never re-form a running worker in place (see elastic.inplace)
+IN_PLACE = "ELASTIC_IN_PLACE"  # 0 = never re-form a running worker in place (see elastic.worker)
 BOUNDED_STORE = "ELASTIC_BOUNDED_STORE"  # 0 = torch's own server hosts the round's store
 TUTORIAL_CHECK = "ELASTIC_TUTORIAL_CHECK"  # 0 = workers may mp.spawn (agent.tutorial_check)
 

@@ -50,7 +50,7 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "that it restarts: pid, local_rank, seconds",
         "etcd.unreachable": "an agent lost etcd; training goes on until outage_timeout",
         "etcd.reachable": "an agent reached etcd again after an outage: seconds it lasted",
-        # workers (elastic.training.worker, elastic.checkpoint.manager)
+        # workers (elastic_tools.training.worker, elastic.checkpoint.manager)
         "ckpt.save": "a rank's checkpoint save ended: step, ok, url, blocking_s, durable_s "
         "(error and last_good when it failed)",
         "ckpt.load": "a rank loaded a checkpoint: step, url, seconds, world_size",
@@ -62,7 +62,7 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "(see completed_steps for the steps a dead rank 0 could not report)",
         "train.samples": "the sample indices a rank trains on in a step, recorded before the "
         "step runs; a redone step's record replaces it (job.sample_ledger)",
-        # elastic.recovery (the elastic.Run API)
+        # elastic.worker (the elastic.Run API)
         "recovery.inplace": "a rank re-formed its group in place (same process): step, round, "
         "rank, world_size, pid, seconds, waited_s (for the round), form_s, state (live, "
         "memory, peer, storage)",
@@ -75,8 +75,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "job.finished": "an agent whose workers had not joined yet found the job finished "
         "(its rendezvous closed): they stop and it exits 0: run_id",
         "job.stopped": "rank 0: every rank was asked to stop after a step, so the job's loop "
-        "ends (elastic.recovery.agreement): step, reason",
-        # elastic.recovery.timing, elastic.recovery.hang (slow and stuck ranks)
+        "ends (elastic.worker.agreement): step, reason",
+        # elastic.worker.timing, elastic.worker.hang (slow and stuck ranks)
         "straggler.detected": "rank 0: a node ran slower than threshold times the median for "
         "steps consecutive steps: step, node, ranks, rank (its first), ratio, steps, "
         "threshold, policy (whether it is dropped), median_s (the ranks' median compute time)",

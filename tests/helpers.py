@@ -1,9 +1,9 @@
 """Shared test helpers: polling with a deadline, node processes, cleanup by PID.
 
-Nodes are started and driven by :class:`elastic.harness.cluster.LocalCluster` (tests wrap
+Nodes are started and driven by :class:`elastic_tools.harness.cluster.LocalCluster` (tests wrap
 it in ``tests/agent/jobs.py`` and ``tests/rendezvous/nodes.py``, or use
 :func:`local_cluster` and :func:`run_node`). A test of the agent's own command line
-builds it with :func:`agent_argv` from :class:`~elastic.harness.cluster.AgentOptions`.
+builds it with :func:`agent_argv` from :class:`~elastic_tools.harness.cluster.AgentOptions`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from elastic.harness.cluster import (  # noqa: F401  (Node: re-exported)
+from elastic.node.procs import alive as pid_alive  # noqa: F401  (re-exported for the tests)
+from elastic.node.procs import kill as kill_pid  # noqa: F401  (re-exported for the tests)
+from elastic_tools.harness.cluster import (  # noqa: F401  (Node: re-exported)
     AgentOptions,
     LocalCluster,
     Node,
@@ -23,8 +25,6 @@ from elastic.harness.cluster import (  # noqa: F401  (Node: re-exported)
     fast_conf,
     poll,
 )
-from elastic.procs import alive as pid_alive  # noqa: F401  (re-exported for the tests)
-from elastic.procs import kill as kill_pid  # noqa: F401  (re-exported for the tests)
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]

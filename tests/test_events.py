@@ -18,9 +18,10 @@ EMIT_KIND = re.compile(r"\bemit\(\s*\"([^\"]+)\"")
 
 
 def emitted_kinds() -> dict[str, list[str]]:
-    """Every ``emit("kind", ...)`` in elastic/: kind -> where."""
+    """Every ``emit("kind", ...)`` in elastic/ and elastic_tools/: kind -> where."""
     found: dict[str, list[str]] = {}
-    for path in sorted((REPO / "elastic").rglob("*.py")):
+    paths = [*(REPO / "elastic").rglob("*.py"), *(REPO / "elastic_tools").rglob("*.py")]
+    for path in sorted(paths):
         if path == REPO / "elastic" / "events.py":
             continue
         source = path.read_text()

@@ -25,7 +25,7 @@ import pytest
 from tests.helpers import REPO
 
 # What the wheel is built from (the Dockerfile copies the same).
-SOURCES = ("pyproject.toml", "README.md", "elastic", "configs")
+SOURCES = ("pyproject.toml", "README.md", "elastic", "elastic_tools", "configs")
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -91,7 +91,8 @@ def test_wheel_holds_every_module_and_config(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = {
         p.relative_to(REPO).as_posix()
-        for p in (REPO / "elastic").rglob("*.py")
+        for package in ("elastic", "elastic_tools")
+        for p in (REPO / package).rglob("*.py")
         if "__pycache__" not in p.parts
     }
     missing = sorted(sources - names)
@@ -99,9 +100,9 @@ def test_wheel_holds_every_module_and_config(wheel: Path) -> None:
     configs = {f"elastic/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")}
     assert configs, "no YAML in configs/"
     assert configs <= names, sorted(configs - names)
-    # One import package: nothing that collides with another distribution (``agents``).
+    # The runtime and its tooling: nothing that collides with another distribution (``agents``).
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
-    assert tops == {"elastic"}, sorted(tops)
+    assert tops == {"elastic", "elastic_tools"}, sorted(tops)
 
 
 @pytest.mark.integration
@@ -111,8 +112,8 @@ def test_installed_wheel_imports_and_validates_shipped_configs(
     probe = """
 import json
 import elastic, elastic.agent, elastic.configs
-import elastic.rendezvous.registry, elastic.tools.cli
-from elastic.training.config import Config, load_config
+import elastic.rendezvous.registry, elastic_tools.cli
+from elastic_tools.training.config import Config, load_config
 from elastic.configs import config_path, names
 found = {}
 for name in names():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic import env, reform
+from elastic import env
+from elastic.node import reform
 
 
 def test_the_marker_exists_only_while_the_agent_stops_its_workers(

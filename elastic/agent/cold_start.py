@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # before it joins when checkpoints are on.
 RUN_PRELOAD = [
     "torch._dynamo",
-    "elastic.recovery",
+    "elastic.worker",
 ]
 # What imports the server made: a script that sets the environment before one of these
 # means to steer that import.

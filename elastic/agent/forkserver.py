@@ -15,7 +15,7 @@ thread pool exists yet), as torch's own DataLoader workers rely on;
 Process tree and cleanup: agent -> fork server -> workers. The server asks Linux to kill
 it when the agent dies (:mod:`elastic.agent.forkserver_init`; its own "alive" pipe is not
 enough, since the workers hold it too) and each worker asks the same of the server
-(:func:`elastic.procs.die_with_parent`), so a ``kill -9`` of the agent still leaves no
+(:func:`elastic.node.procs.die_with_parent`), so a ``kill -9`` of the agent still leaves no
 worker behind.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import logging
 import multiprocessing
 import os
@@ -35,12 +36,13 @@ from multiprocessing import connection, forkserver, resource_tracker, util
 from pathlib import Path
 from typing import Any, NoReturn
 
-from elastic import env, reform
+from elastic import env
+from elastic.node import reform
 
 logger = logging.getLogger(__name__)
 
 START_METHOD = "forkserver"
-WORKER_MODULE = "elastic.training.worker"
+WORKER_MODULE = "elastic_tools.training.worker"
 _INIT = "elastic.agent.forkserver_init"  # first: the server dies with the agent
 _READY = "elastic.agent.forkserver_ready"  # last: the server's heap is frozen for its forks
 # Imported once by the fork server of our worker; each worker then starts with them loaded.
@@ -169,7 +171,7 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, modules: list[str]) -> 
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
-        credentials = sys.modules.get("elastic.credentials")
+        credentials = sys.modules.get("elastic.etcd.credentials")
         if credentials is not None:
             credentials._env_password = None  # type: ignore[attr-defined]
         forkserver._forkserver.__init__()  # type: ignore[misc]  # no server of its own
@@ -190,8 +192,12 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int, modules: list[str]) -> 
 
 
 def run_worker(*argv: str) -> None:
-    """The agent's entry point in a forked worker: ``python -m elastic.training.worker ARGV``."""
-    from elastic.training.worker import main, stopped_by_signal
+    """The agent's entry point in a forked worker: ``python -m WORKER_MODULE ARGV``.
+
+    The worker is a tool (:mod:`elastic_tools`), named here as a command is, never imported
+    by the agent itself: only this forked process, which runs it, loads it."""
+    worker = importlib.import_module(WORKER_MODULE)
+    main, stopped_by_signal = worker.main, worker.stopped_by_signal
 
     # As torchrun's workers: a session of our own (a Ctrl-C in the agent's terminal
     # reaches the agent, which forwards it once; a second signal would stop us

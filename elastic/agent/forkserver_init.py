@@ -18,7 +18,7 @@ import multiprocessing
 import os
 
 from elastic import env
-from elastic.procs import die_with_parent
+from elastic.node.procs import die_with_parent
 
 gc.disable()  # until elastic.agent.forkserver_ready: the server only imports
 die_with_parent()

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from elastic import procs
+from elastic.node import procs
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
-"""The agent's side of in-place re-forms (:mod:`elastic.inplace`): re-rank running workers.
+"""The agent's side of in-place re-forms (:mod:`elastic.worker`): re-rank running workers.
 
 When every local worker is a script on ``elastic.Run`` that registered on its channel, a
 change of membership does not restart them: the agent runs the rendezvous and writes each
 worker its rank in the new round (:meth:`InPlaceHost.reform_in_place`); a lost peer is
 announced first (a pending assignment with ``abort``), so that a collective blocked on it
 is released while the round forms. The worker's side reads the assignment and forms the
-new group (:mod:`elastic.inplace.member`).
+new group (:mod:`elastic.worker.member`).
 
 What crosses the channel (one directory per agent, one channel per local worker,
-:mod:`elastic.inplace.channel`): down, the assignments this class writes; up, each
+:mod:`elastic.node.channel`): down, the assignments this class writes; up, each
 worker's registration (it runs a round in place, or waits for a new one because its step
 failed on a lost peer, or asks for one).
 
@@ -28,10 +28,11 @@ from typing import TypeGuard
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from elastic import env, events, metrics
-from elastic.inplace import channel
-from elastic.inplace.channel import Assignment, Registration
-from elastic.procs import alive
+from elastic import env, events
+from elastic.agent import metrics
+from elastic.node import channel
+from elastic.node.channel import Assignment, Registration
+from elastic.node.procs import alive
 from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
 from elastic.rendezvous.fence import FenceSpec
 

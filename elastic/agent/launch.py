@@ -7,12 +7,13 @@ torchrun does. Bad input and an unreachable etcd end in one sentence on stderr
 and a non-zero exit, not a traceback.
 
 ``--metrics-port N`` (or ``$ELASTIC_METRICS_PORT``; 0: a free port, printed) serves the
-agent's Prometheus metrics on ``http://<host>:N/metrics`` (:mod:`elastic.metrics`).
+agent's Prometheus metrics on ``http://<host>:N/metrics`` (:mod:`elastic.agent.metrics`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
@@ -21,14 +22,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from elastic import env, reform
+from elastic import env
+from elastic.node import reform
 
 logger = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node's agent until its workers finish; return the exit code."""
-    from elastic.credentials import take_password_from_env
+    from elastic.etcd.credentials import take_password_from_env
 
     # First: out of os.environ before any child copies it, and wiped from /proc/<pid>/environ.
     take_password_from_env()
@@ -49,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         if private_log:
-            from elastic import metrics
+            from elastic.agent import metrics
 
             metrics.remove_private_log(private_log)
     if stopped and own_process:
@@ -90,7 +92,7 @@ def _main(argv: list[str]) -> int:
         config, cmd, cmd_args = config_from_args(args)
     except (AssertionError, ValueError) as exc:  # torchrun's checks of --nnodes and friends
         return _fail(f"{exc}; check the command-line options.", reform.USAGE)
-    # the straggler policy never drops the job below --nnodes MIN (elastic.recovery.straggler)
+    # the straggler policy never drops the job below --nnodes MIN (elastic.worker.straggler)
     os.environ.setdefault("ELASTIC_STRAGGLER_MIN_NODES", str(config.min_nodes))
     entrypoint, cmd_args = _warm_entrypoint(args, config, cmd, cmd_args)
     exporter = None if port is None else _start_metrics(port, config)
@@ -197,7 +199,7 @@ def metrics_port(option: int | None) -> int | None:
 
 def _event_log_for_workers() -> str | None:
     """The exporter reads the workers' figures from their event log: make sure there is one."""
-    from elastic import metrics
+    from elastic.agent import metrics
 
     try:
         return metrics.event_log_for_workers()
@@ -207,7 +209,7 @@ def _event_log_for_workers() -> str | None:
 
 
 def _start_metrics(port: int, config: Any) -> Any:
-    from elastic import metrics
+    from elastic.agent import metrics
 
     exporter = metrics.start(
         port,
@@ -234,7 +236,7 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
     ``--etcd``, ``--run-id`` and ``--node-addr`` are ``--rdzv-endpoint``,
     ``--rdzv-id`` and ``--local-addr``. Options before the first positional
     argument belong to the agent; a ``--config`` among them, with no script
-    given, runs ``-m elastic.training.worker --config FILE`` with the remaining
+    given, runs ``-m elastic_tools.training.worker --config FILE`` with the remaining
     ``section.key=value`` arguments. ``flags`` are the options that take no value.
     """
     out: list[str] = []
@@ -262,7 +264,7 @@ def translate_argv(argv: list[str], flags: set[str]) -> list[str]:
     # such as --rdzv-conf k=v, stays the agent's)
     rest = [a for a in tail if "=" in a and not a.startswith("-")]
     others = [a for a in tail if a not in rest]
-    return [*out, *others, "-m", "elastic.training.worker", "--config", config, *rest]
+    return [*out, *others, "-m", "elastic_tools.training.worker", "--config", config, *rest]
 
 
 def _start_warm_server_early(argv: list[str]) -> None:
@@ -274,7 +276,7 @@ def _start_warm_server_early(argv: list[str]) -> None:
     from elastic.agent import warm
 
     before_script = argv[: next((i for i, a in enumerate(argv) if a.endswith(".py")), len(argv))]
-    ours = "elastic.training.worker" in argv or any(
+    ours = "elastic_tools.training.worker" in argv or any(
         a.partition("=")[0] == "--config" for a in before_script
     )
     if ours and warm.enabled():
@@ -284,7 +286,7 @@ def _start_warm_server_early(argv: list[str]) -> None:
 
 
 def _runs_our_worker(args: argparse.Namespace) -> bool:
-    return bool(args.module and args.training_script == "elastic.training.worker")
+    return bool(args.module and args.training_script == "elastic_tools.training.worker")
 
 
 def _warm_entrypoint(
@@ -346,12 +348,14 @@ def _preflight_worker_config(args: argparse.Namespace) -> None:
     if not _runs_our_worker(args):
         return
     from elastic.errors import ConfigError
-    from elastic.training.config import load_config
+
+    # Our worker's own config module, loaded by name only when the command is our worker.
+    load_config = importlib.import_module("elastic_tools.training.config").load_config
 
     worker_args = list(args.training_script_args)
     if "--config" not in worker_args or worker_args.index("--config") + 1 >= len(worker_args):
         raise ConfigError(
-            "elastic.training.worker needs --config FILE; pass the worker's YAML config."
+            "elastic_tools.training.worker needs --config FILE; pass the worker's YAML config."
         )
     at = worker_args.index("--config")
     overrides = [a for a in worker_args[at + 2 :] if "=" in a]

@@ -3,7 +3,7 @@
 Small hooks into torch's agent:
 
 * **Re-form on request.** A worker that stops because a *peer* asked the group
-  to stop (a planned leave elsewhere) exits with :data:`elastic.reform.EXIT_CODE`. The
+  to stop (a planned leave elsewhere) exits with :data:`elastic.node.reform.EXIT_CODE`. The
   agent treats that as a change of membership, not a failure: it re-runs the
   rendezvous without spending a restart.
 * **A job-wide restart budget.** ``--max-restarts`` counts failed rounds of
@@ -26,17 +26,17 @@ Small hooks into torch's agent:
   import ``torch._dynamo`` (seconds) before the restart.
 * **The commit fence in the worker environment,** since warm workers fork from a
   server that took the agent's environment before the rendezvous set it.
-* **Node-local files** (:mod:`elastic.nodelocal`): snapshots, channels and the re-form marker
+* **Node-local files** (:mod:`elastic.node.nodelocal`): snapshots, channels and the re-form marker
   live in this agent's private directory, ``/dev/shm/elastic-<uid>/<agent pid>/`` (0700), made
   when it starts; workers learn this agent's pid, so their snapshots outlive a worker restart.
   The agent removes its directory when it exits, and on start what agents that are gone left
   (skipping, with one log line, what is not this uid's to remove: it starts regardless).
-* **In-place re-forms** (:mod:`elastic.inplace`): when every local worker is a script on
+* **In-place re-forms** (:mod:`elastic.worker`): when every local worker is a script on
   ``elastic.Run`` that registered on its channel, a change of membership runs the
   rendezvous and hands the running workers their new ranks instead of restarting them:
   torch's ``_restart_workers`` goes in place when the host is ready, else restarts
   (:class:`elastic.agent.inplace_host.InPlaceHost` does the in-place part).
-* **Metrics** (:mod:`elastic.metrics`, with ``--metrics-port``): each round, change,
+* **Metrics** (:mod:`elastic.agent.metrics`, with ``--metrics-port``): each round, change,
   failure and spent restart is recorded; the hooks do nothing when metrics are off.
 * **A worker's exit is noticed at once.** torch sleeps ``--monitor-interval`` between
   checks, so a worker that fails (its peer was killed: gloo's connection closed) waits
@@ -79,17 +79,17 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from elastic import env, events, metrics, nodelocal, reform
-from elastic.agent import inplace_host
+from elastic import env, events
+from elastic.agent import inplace_host, metrics
 from elastic.agent.cold_start import note_cold
 from elastic.agent.forkserver import server_cold_reason
 from elastic.agent.frozen import FrozenWatch
 from elastic.agent.inplace_host import InPlaceHost
 from elastic.agent.plain_script import PlainScript
 from elastic.agent.probation import Probation, request_path
-from elastic.inplace import channel
-from elastic.recovery import probation, snapshot
+from elastic.node import channel, nodelocal, reform
 from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
+from elastic.worker import probation, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class NodeAgent(LocalElasticAgent):
         handler = self._handler()
         return handler.fence() if handler is not None else ""
 
-    # -- in-place re-forms (elastic.inplace.channel; the host: elastic.agent.inplace_host) --
+    # -- in-place re-forms (elastic.node.channel; the host: elastic.agent.inplace_host) --
 
     @functools.cached_property
     def _host(self) -> InPlaceHost | None:
@@ -171,7 +171,7 @@ class NodeAgent(LocalElasticAgent):
             super()._restart_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
-        # The node stays: the workers need not persist a checkpoint (see elastic.reform).
+        # The node stays: the workers need not persist a checkpoint (see elastic.node.reform).
         with reform.marking(os.getpid()):
             self._stop_or_kill_after_grace(worker_group)
 

@@ -103,7 +103,7 @@ class PlainScript:
     def __call__(self, *argv: str) -> None:
         os.setsid()  # torchrun's workers: start_new_session
         server = os.environ.get(env.FORK_SERVER_PID)
-        from elastic.procs import die_with_parent
+        from elastic.node.procs import die_with_parent
 
         die_with_parent(parent=int(server) if server else None)
         self._become_fresh(list(argv))

@@ -1,4 +1,4 @@
-"""The agent's side of probation (the rule: :mod:`elastic.recovery.probation`).
+"""The agent's side of probation (the rule: :mod:`elastic.worker.probation`).
 
 When the straggler policy drops this node (its lowest rank leaves a request in the agent's
 node-local directory), the agent does not exit. :meth:`Probation.sit_out`:
@@ -38,11 +38,12 @@ from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
-from elastic import events, nodelocal, procs
+from elastic import events
 from elastic.agent.inplace_host import InPlaceHost
-from elastic.recovery import probation, straggler
-from elastic.recovery.probation import Action, History, Request
+from elastic.node import nodelocal, procs
 from elastic.rendezvous.contract import MembershipHandler
+from elastic.worker import probation, straggler
+from elastic.worker.probation import Action, History, Request
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Checkpoint settings, validated: where (an fsspec URL) and how often checkpoints are written.
 
 The floor that owns them: the checkpoint manager reads them, :class:`elastic.Run` takes
-them as ``checkpoint=``, and the worker config (:mod:`elastic.training.config`) nests them
+them as ``checkpoint=``, and the worker config (:mod:`elastic_tools.training.config`) nests them
 as its ``checkpoint:`` section.
 """
 

@@ -120,7 +120,7 @@ logger = logging.getLogger(__name__)
 
 # The door: torch's private DCP names that the other checkpoint modules use, under names of
 # ours (tests/rendezvous/test_layering.py keeps every private torch name in this module and
-# elastic/inplace/groups.py).
+# elastic/worker/groups.py).
 StorageInfo = _StorageInfo  # where one item lies: relative_path, offset, length
 StoragePrefix = _StoragePrefix  # a rank's file prefix in a save plan
 MemoryFormatEncoding = _MEM_FORMAT_ENCODING  # how .metadata pickles a memory format

@@ -65,7 +65,7 @@ _CHANNEL_OPTIONS = [
 T = TypeVar("T")
 
 # Told of every EtcdClient.call: (the request's fn, its seconds with retries, the exception it
-# raised or None). elastic.metrics sets it in an agent that serves metrics; None: no cost.
+# raised or None). elastic.agent.metrics sets it in an agent that serves metrics; None: no cost.
 request_observer: Callable[[Callable[..., Any], float, BaseException | None], None] | None = None
 
 

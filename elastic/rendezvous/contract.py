@@ -43,7 +43,7 @@ class MembershipHandler(Protocol):
 
     ``hosts_round_store``: whether each round's bootstrap store outlives the round's first
     process group, so running workers can form the next round's group through it (the
-    condition for in-place re-forms, :mod:`elastic.inplace`).
+    condition for in-place re-forms, :mod:`elastic.worker`).
     """
 
     hosts_round_store: bool

@@ -35,8 +35,9 @@ from dataclasses import InitVar, asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic import credentials, env
+from elastic import env
 from elastic.errors import CheckpointError, ConfigError
+from elastic.etcd import credentials
 from elastic.etcd.client import (
     EtcdClient,
     EtcdOptions,
@@ -93,7 +94,7 @@ def publish_round(client: EtcdClient, keys: RunKeys, round_: int, lease: int = 0
 
 def _password_file(password: str) -> str:
     """A file the workers read ``password`` from: a sealed memory file of this process (gone
-    with it, even after a kill -9; :func:`elastic.credentials.password_file`), else a 0600
+    with it, even after a kill -9; :func:`elastic.etcd.credentials.password_file`), else a 0600
     file in a private temporary directory (once per process), removed at exit."""
     try:
         return credentials.password_file(password)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic import env
-from elastic.credentials import password_from_env
+from elastic.etcd.credentials import password_from_env
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters

@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic.harness.cluster import AgentOptions, LocalCluster
-from elastic.procs import descendants
+from elastic_tools.harness.cluster import AgentOptions, LocalCluster
+from elastic.node.procs import descendants
 
 HERE = Path(__file__).resolve().parent
 EPOCH = re.compile(r"^epoch (\d+) world (\d+)", re.M)

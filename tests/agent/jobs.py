@@ -1,7 +1,7 @@
 """Run our CNN worker under real elastic-agent processes and read what happened.
 
 The comparisons (final model vs a fault-free run, samples of the kept trajectory) live in
-:mod:`elastic.chaos`, which ``elastic chaos`` shares with these tests.
+:mod:`elastic_tools.chaos`, which ``elastic chaos`` shares with these tests.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic import env
-from elastic.chaos import LR, MODEL_RTOL, kept_samples, model_differences
-from elastic.harness.cluster import AgentOptions, LocalCluster
+from elastic_tools.chaos import LR, MODEL_RTOL, kept_samples, model_differences
+from elastic_tools.harness.cluster import AgentOptions, LocalCluster
 from tests.helpers import PYTHON, REPO, Node, node_env
 
 TINY = REPO / "configs" / "tiny.yaml"
@@ -77,8 +77,8 @@ class Job(LocalCluster):
 
         from elastic.checkpoint import find_latest_complete
         from elastic.checkpoint.storage import make_reader
-        from elastic.training.config import load_config
-        from elastic.training.model import build_model
+        from elastic_tools.training.config import load_config
+        from elastic_tools.training.model import build_model
 
         info = find_latest_complete(str(url or self.tmp / "ckpt"), run_id or self.run_id)
         assert info is not None and info.step == self.max_steps, info
@@ -93,7 +93,7 @@ class Job(LocalCluster):
         argv = [
             PYTHON,
             "-m",
-            "elastic.training.worker",
+            "elastic_tools.training.worker",
             "--config",
             str(TINY),
             f"job.run_id={self.run_id}",

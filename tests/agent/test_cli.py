@@ -14,7 +14,7 @@ import pytest
 
 from elastic import env
 from elastic.etcd.server import EtcdServer
-from elastic.harness.cluster import fast_conf
+from elastic_tools.harness.cluster import fast_conf
 from tests.agent.jobs import Job
 from tests.helpers import (
     FAST_CONF,
@@ -45,7 +45,7 @@ def run(*argv: str, timeout: float = 120, **extra_env: str) -> subprocess.Comple
 def test_bad_worker_config_is_one_line_before_any_rendezvous(
     worker_args: list[str], needle: str
 ) -> None:
-    worker = ["-m", "elastic.training.worker", *worker_args]
+    worker = ["-m", "elastic_tools.training.worker", *worker_args]
     result = run_process(agent_argv(worker, nnodes="1", rdzv_conf=""))
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("elastic-agent")]
@@ -100,7 +100,7 @@ def test_status_reports_members_round_and_checkpoint(job: Job, algorithm: str) -
     wait_until(lambda: any(e["step"] >= 6 for e in job.steps()), 120, "step 6")
     result = run(
         "-m",
-        "elastic.tools.cli",
+        "elastic_tools.cli",
         "status",
         "--etcd",
         job.endpoint,
@@ -129,7 +129,7 @@ def test_status_reports_members_round_and_checkpoint(job: Job, algorithm: str) -
         assert str(newest) in committed, "every commit passes the round fence in etcd"
     else:  # torch's own handler publishes no round fence: checkpoints are not fenced
         assert committed == set()
-    status_argv = ["-m", "elastic.tools.cli", "status", "--etcd", job.endpoint]
+    status_argv = ["-m", "elastic_tools.cli", "status", "--etcd", job.endpoint]
     table = run(*status_argv, "--run-id", job.run_id, **with_secret)
     assert f"run {job.run_id}" in table.stdout and "world size 2" in table.stdout
     for node in nodes:
@@ -137,12 +137,12 @@ def test_status_reports_members_round_and_checkpoint(job: Job, algorithm: str) -
 
 
 def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
-    result = run("-m", "elastic.tools.cli", "status", "--etcd", etcd.endpoint, "--run-id", "nobody")
+    result = run("-m", "elastic_tools.cli", "status", "--etcd", etcd.endpoint, "--run-id", "nobody")
     assert result.returncode == 0 and "no rendezvous state" in result.stdout
     from elastic.etcd.server import free_port
 
     result = run(
-        "-m", "elastic.tools.cli", "status", "--etcd", f"127.0.0.1:{free_port()}", "--run-id", "x"
+        "-m", "elastic_tools.cli", "status", "--etcd", f"127.0.0.1:{free_port()}", "--run-id", "x"
     )
     assert result.returncode == 1 and "Could not reach etcd" in result.stderr
     assert "Traceback" not in result.stderr
@@ -167,7 +167,7 @@ def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
                 "--rdzv-id=j",
                 "--nnodes=1:2",
                 "-m",
-                "elastic.training.worker",
+                "elastic_tools.training.worker",
                 "--config",
                 "c.yaml",
                 "job.max_steps=5",
@@ -191,15 +191,22 @@ def test_status_of_unknown_run_and_unreachable_etcd(etcd: EtcdServer) -> None:
                 "--rdzv-conf",
                 "join_timeout=9",
                 "-m",
-                "elastic.training.worker",
+                "elastic_tools.training.worker",
                 "--config",
                 "c.yaml",
                 "a.b=1",
             ],
         ),
         (
-            ["--etcd=h:1", "-m", "elastic.training.worker", "--config", "x", "a.b=1"],
-            ["--rdzv-endpoint=h:1", "-m", "elastic.training.worker", "--config", "x", "a.b=1"],
+            ["--etcd=h:1", "-m", "elastic_tools.training.worker", "--config", "x", "a.b=1"],
+            [
+                "--rdzv-endpoint=h:1",
+                "-m",
+                "elastic_tools.training.worker",
+                "--config",
+                "x",
+                "a.b=1",
+            ],
         ),
     ],
 )

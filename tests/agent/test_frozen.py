@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic import procs
 from elastic.agent.frozen import FrozenWatch
+from elastic.node import procs
 from tests.helpers import wait_until
 
 

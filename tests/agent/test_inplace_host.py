@@ -11,8 +11,8 @@ from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup, Work
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic.agent.inplace_host import InPlaceHost, offered
-from elastic.inplace import channel
-from elastic.inplace.channel import Assignment, Registration
+from elastic.node import channel
+from elastic.node.channel import Assignment, Registration
 from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
 from elastic.rendezvous.fence import FenceSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from elastic.agent.node import _ReformIsNotAFailure
-from elastic.reform import EXIT_CODE as REFORM_EXIT_CODE
+from elastic.node.reform import EXIT_CODE as REFORM_EXIT_CODE
 
 MSG = "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)"
 

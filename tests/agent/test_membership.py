@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elastic import events
-from elastic.procs import children, descendants, kill
+from elastic.node.procs import children, descendants, kill
 from tests.agent.jobs import Job, assert_models_match
 from tests.helpers import pid_alive, wait_until
 

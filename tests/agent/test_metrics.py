@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic import env, metrics
+from elastic import env
+from elastic.agent import metrics
 from elastic.errors import EtcdConnectionError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer, free_port
@@ -204,7 +205,7 @@ def test_errors_in_the_exporter_never_reach_the_agent(
         assert value(samples, "elastic_job_restart_budget") == 1
         assert value(samples, "elastic_world_size") == 1, "the sizes count without the state"
         assert value(samples, "elastic_rendezvous_members", state="participant") is None
-        warnings = [r.getMessage() for r in caplog.records if r.name == "elastic.metrics"]
+        warnings = [r.getMessage() for r in caplog.records if r.name == "elastic.agent.metrics"]
         assert len([w for w in warnings if "event log" in w]) == 1, warnings
     finally:
         exp.close()

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from elastic.etcd.server import EtcdServer
-from elastic.harness.cluster import AgentOptions, LocalCluster
-from elastic.procs import kill
+from elastic.node.procs import kill
+from elastic_tools.harness.cluster import AgentOptions, LocalCluster
 from tests.helpers import REPO, node_env, wait_until
 
 SCRIPT = "tests/scripts/plain_ddp.py"  # relative, as a user types it
@@ -97,7 +97,7 @@ def jobs(
 
 
 def assert_warm(job: Job, gen: list[dict[str, Any]]) -> None:
-    from elastic.procs import children
+    from elastic.node.procs import children
 
     server = gen[0]["ppid"]
     assert server != job.node.pid, "the worker's parent is the agent: a cold start"

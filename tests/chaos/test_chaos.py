@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from elastic.chaos import KINDS, ChaosOptions, kept_samples, run_chaos, sample_problems, table
-from elastic.chaos.plan import draw_faults
+from elastic_tools.chaos import KINDS, ChaosOptions, kept_samples, run_chaos, sample_problems, table
+from elastic_tools.chaos.plan import draw_faults
 
 # The CI schedule: aimed kills (in a save, between fence and marker, in a purge), storage and
 # etcd trouble and a stale writer, one of each; about 3 minutes of wall time on two cores.

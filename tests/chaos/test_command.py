@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.chaos.command import options
-from elastic.tools.cli import _parser
+from elastic_tools.chaos.command import options
+from elastic_tools.cli import _parser
 
 
 def test_the_cli_options_become_the_runs_options(tmp_path: Path) -> None:
@@ -40,8 +40,8 @@ def test_chaos_imports_neither_the_cli_nor_the_other_commands() -> None:
     )
     code = (
         "import sys\n"
-        f"for m in {modules.split()!r}: __import__('elastic.chaos.' + m)\n"
-        "print(sorted(m for m in sys.modules if m.startswith('elastic.tools')))\n"
+        f"for m in {modules.split()!r}: __import__('elastic_tools.chaos.' + m)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('elastic_tools')))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic.chaos import ChaosOptions, run_chaos, table
-from elastic.chaos.compound import COMPOUND
-from elastic.chaos.script import ddp_script
+from elastic_tools.chaos import ChaosOptions, run_chaos, table
+from elastic_tools.chaos.compound import COMPOUND
+from elastic_tools.chaos.script import ddp_script
 
 # A joiner's start-up sets the pace: ~2.5 minutes on two idle cores is the aim, and under
 # heavy load (a load average of 20-30 on two cores) one run took 6-8 minutes.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.chaos.plan import (
+from elastic_tools.chaos.plan import (
     KINDS,
     REMOVES,
     ChaosOptions,

@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from elastic.chaos.fault import Fault
-from elastic.chaos.injectors import Injector
-from elastic.chaos.invariants import SKIPPED_SAVE, frozen_etcd, rogue_members
-from elastic.chaos.job import ChaosJob
-from elastic.chaos.observers import EventTail, wait_stable
-from elastic.chaos.plan import ChaosOptions
-from elastic.chaos.rogue import RogueMember
 from elastic.etcd.client import EtcdClient
 from elastic.rendezvous.announce.records import Round, Trust, parse_member
 from elastic.rendezvous.keys import RunKeys
+from elastic_tools.chaos.fault import Fault
+from elastic_tools.chaos.injectors import Injector
+from elastic_tools.chaos.invariants import SKIPPED_SAVE, frozen_etcd, rogue_members
+from elastic_tools.chaos.job import ChaosJob
+from elastic_tools.chaos.observers import EventTail, wait_stable
+from elastic_tools.chaos.plan import ChaosOptions
+from elastic_tools.chaos.rogue import RogueMember
 
 
 def test_the_rogue_key_is_an_unsigned_announcement_the_job_refuses_and_is_removed(

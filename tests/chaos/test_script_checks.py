@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic.chaos.command import options
-from elastic.chaos.compound import COMPOUND, compound_schedule
-from elastic.chaos.script import CKPT, DDP_SCRIPT, ScriptSpec, ddp_script
-from elastic.chaos.script_checks import _ranges, explain, once, stale_reports
-from elastic.tools.cli import _parser
+from elastic_tools.chaos.command import options
+from elastic_tools.chaos.compound import COMPOUND, compound_schedule
+from elastic_tools.chaos.script import CKPT, DDP_SCRIPT, ScriptSpec, ddp_script
+from elastic_tools.chaos.script_checks import _ranges, explain, once, stale_reports
+from elastic_tools.cli import _parser
 
 LAST = 300
 
@@ -117,8 +117,8 @@ def test_the_agents_forked_fork_server_is_not_a_worker(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from elastic.chaos.script import script_workers
-    from elastic.procs import descendants
+    from elastic.node.procs import descendants
+    from elastic_tools.chaos.script import script_workers
 
     path = str(tmp_path / "train.py")
     agent = subprocess.Popen([sys.executable, "-c", _TREE, path], stdout=subprocess.PIPE, text=True)

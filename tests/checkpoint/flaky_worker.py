@@ -1,4 +1,4 @@
-"""``elastic.training.worker`` plus the ``flaky://`` test filesystem (run by torchrun)."""
+"""``elastic_tools.training.worker`` plus the ``flaky://`` test filesystem (run by torchrun)."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from flaky_fs import register
 
-from elastic.training.worker import main
+from elastic_tools.training.worker import main
 
 if __name__ == "__main__":
     register()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from elastic.checkpoint import list_steps
 from elastic.errors import CheckpointError, ConfigError
 from elastic.secret import secret_path
-from elastic.tools.checkpoint import add_parser, command
+from elastic_tools.checkpoint import add_parser, command
 
 from .conftest import RUN, assert_same_bytes, make_state, save_with_project
 from .tamper import restore_crc, tensor_offset

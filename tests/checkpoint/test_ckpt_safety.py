@@ -33,7 +33,7 @@ from elastic.checkpoint import (
 )
 from elastic.checkpoint.layout import purge
 from elastic.errors import CheckpointError, ConfigError
-from elastic.training.config import checkpoint_run_id, load_config
+from elastic_tools.training.config import checkpoint_run_id, load_config
 
 from .conftest import RUN, load_small, small_manager, small_state
 from .flaky_fs import FAIL_ENV, register
@@ -458,7 +458,7 @@ def test_an_unreadable_secret_file_is_a_config_error(
 def test_unwritable_storage_fails_at_worker_start(
     tmp_path: Path, tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from elastic.training.worker import train
+    from elastic_tools.training.worker import train
 
     register()
     url = f"flaky://{tmp_path}/ro"

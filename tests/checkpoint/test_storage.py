@@ -92,8 +92,8 @@ def test_repeated_storage_failures_stop_with_a_clear_error(
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_memory_url_in_one_process(tmp_path: Path, tiny_config: Callable[..., Path]) -> None:
     """memory:// is per process, so it is exercised in-process with a world of one."""
-    from elastic.training.config import load_config
-    from elastic.training.worker import train
+    from elastic_tools.training.config import load_config
+    from elastic_tools.training.worker import train
 
     url = f"memory://ckpt-{uuid.uuid4().hex[:8]}"
     config = tiny_config(checkpoint__url=url, checkpoint__interval=4)

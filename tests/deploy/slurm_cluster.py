@@ -1,6 +1,6 @@
 """A real Slurm cluster on this machine for the tests: munged, slurmctld, one slurmd per node.
 
-Each node is a network namespace on a bridge (:class:`elastic.harness.faults.Net`) with its
+Each node is a network namespace on a bridge (:class:`elastic_tools.harness.faults.Net`) with its
 own address; its slurmd runs inside it under its own node name (``slurmd -N``), with
 ``NodeAddr`` = that address in a ``slurm.conf`` generated in a temporary directory (the
 ports picked free at start; ``SLURM_CONF`` points the clients at it). munged runs with a
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.etcd.server import free_port
-from elastic.harness.faults import Net, ip
-from elastic.procs import alive, kill
+from elastic.node.procs import alive, kill
+from elastic_tools.harness.faults import Net, ip
 from tests.helpers import wait_until
 
 DAEMONS = (

@@ -32,7 +32,7 @@ import yaml
 
 from elastic.agent.launch import translate_argv
 from elastic.rendezvous.options import RendezvousOptions
-from elastic.training.config import load_config
+from elastic_tools.training.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "agents" / "k8s"
@@ -262,7 +262,7 @@ def test_every_agent_container_runs_elastic_agent_on_our_etcd_v3_rendezvous() ->
         args = _parse_agent(container, _operator_env(doc))
         assert args.rdzv_backend == "etcd-v3"
         assert args.rdzv_endpoint == ETCD_ENDPOINT
-        assert args.module and args.training_script == "elastic.training.worker"
+        assert args.module and args.training_script == "elastic_tools.training.worker"
         assert re.fullmatch(r"\d+:\d+", args.nnodes), "elastic: MIN:MAX nodes"
         conf = _conf(args)
         assert conf["protocol"] == "https" and conf["password_file"].startswith("/run/secrets/")

@@ -32,7 +32,7 @@ import pytest
 from elastic import env, events
 from elastic.checkpoint import find_latest_complete
 from elastic.etcd.server import EtcdServer, start_etcd
-from elastic.harness.faults import Net, netns_usable
+from elastic_tools.harness.faults import Net, netns_usable
 from tests.deploy.slurm_cluster import KILL_WAIT_S, SlurmCluster, missing_commands
 from tests.helpers import PYTHON, REPO, node_env, wait_until
 
@@ -121,7 +121,7 @@ def test_sbatch_survives_node_failure_drain_and_requeue(
     slurm, server = cluster
     log, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
     worker = [
-        "-m elastic.training.worker",
+        "-m elastic_tools.training.worker",
         f"--config {REPO / 'configs' / 'tiny.yaml'}",
         f"job.run_id={RUN} job.max_steps={MAX_STEPS} job.log_every=1 job.min_step_s=0.4",
         f"checkpoint.url={ckpt} checkpoint.interval=5",

@@ -228,7 +228,7 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
         [
             sys.executable,
             "-m",
-            "elastic.tools.cli",
+            "elastic_tools.cli",
             "status",
             *cluster.etcd_args(),
             "--run-id",
@@ -316,7 +316,7 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
     assert {e["world_size"] for e in steps} == {1, 2, 3}
     assert events.resumptions(cluster.events(), 0), "joins and leaves must go on from a state"
     loads = cluster.events("ckpt.load")
-    # Resumes from a node's memory or a peer's (elastic.recovery: url "") need no stored step.
+    # Resumes from a node's memory or a peer's (elastic.worker: url "") need no stored step.
     assert_loaded_complete(str(cluster.dir), cluster.run_id, storage_loads(loads))
     latest = find_latest_complete(str(cluster.dir), cluster.run_id, warn=False)
     assert latest is not None and latest.step == MAX_STEPS, latest
@@ -333,7 +333,7 @@ def test_scale_kill_stop_and_finish(cluster_factory, images) -> None:
         [
             sys.executable,
             "-m",
-            "elastic.tools.cli",
+            "elastic_tools.cli",
             "timeline",
             str(cluster.event_log),
             "-o",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.harness.cluster import LocalCluster
-from elastic.procs import alive
+from elastic.node.procs import alive
+from elastic_tools.harness.cluster import LocalCluster
 from tests.helpers import wait_until
 
 

@@ -1,4 +1,4 @@
-"""elastic.inplace.channel: the agent's assignments and the worker's registrations."""
+"""elastic.node.channel: the agent's assignments and the worker's registrations."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic import nodelocal
-from elastic.inplace import channel
-from elastic.inplace.channel import Assignment, Registration, Watcher
+from elastic.node import channel, nodelocal
+from elastic.node.channel import Assignment, Registration, Watcher
 
 
 def test_assignments_and_registrations_round_trip(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""elastic.inplace.formstore.FormingStore: a formation's store waits give up when told to.
+"""elastic.worker.formstore.FormingStore: a formation's store waits give up when told to.
 
 Over torch's in-memory HashStore, and once through a real gloo formation in this process
 (a TCPStore on loopback, a world of 2 whose second rank never comes): the exception raised
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from elastic.inplace import formstore, groups
-from elastic.inplace.formstore import FormingStore
+from elastic.worker import formstore, groups
+from elastic.worker.formstore import FormingStore
 
 
 class NewerRound(Exception):

@@ -1,4 +1,4 @@
-"""elastic.inplace.guard without a process group: futures, aborts and skipped steps."""
+"""elastic.worker.guard without a process group: futures, aborts and skipped steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from elastic.inplace.guard import StepGuard
+from elastic.worker.guard import StepGuard
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.inplace.guard import StepGuard
+from elastic.worker.guard import StepGuard
 
 TIMEOUT = timedelta(seconds=30)
 

@@ -1,4 +1,4 @@
-"""elastic.inplace.member.Member: the worker's vote on a newer round, a round replaced before
+"""elastic.worker.member.Member: the worker's vote on a newer round, a round replaced before
 it formed, and a leave, over a real channel file and a dict standing in for the round's
 store (no process, no socket)."""
 
@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from elastic.errors import RecoveryError
-from elastic.inplace import channel, groups
-from elastic.inplace.channel import Assignment
-from elastic.inplace.member import BROKEN, NOT_YET, READY, READY_PREFIX, Member
-from elastic.recovery.exchange import Interrupted
+from elastic.node import channel
+from elastic.node.channel import Assignment
+from elastic.worker import groups
+from elastic.worker.exchange import Interrupted
+from elastic.worker.member import BROKEN, NOT_YET, READY, READY_PREFIX, Member
 
 
 class DictStore:

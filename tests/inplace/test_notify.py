@@ -6,8 +6,8 @@ import threading
 import time
 from pathlib import Path
 
-from elastic import nodelocal
-from elastic.inplace.notify import FileWatch
+from elastic.node import nodelocal
+from elastic.node.notify import FileWatch
 
 
 def test_a_watch_wakes_for_its_file_only(tmp_path: Path) -> None:

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from elastic.inplace.guard import StepGuard
-from elastic.inplace.reformer import InPlaceGroup
-from elastic.recovery.exchange import Interrupted
+from elastic.worker.exchange import Interrupted
+from elastic.worker.guard import StepGuard
+from elastic.worker.reformer import InPlaceGroup
 
 
 class _Resumer:

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.inplace import groups
-from elastic.inplace.guard import StepGuard
+from elastic.worker import groups
+from elastic.worker.guard import StepGuard
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import EtcdServer, start_etcd
-from elastic.harness.faults import Net
+from elastic_tools.harness.faults import Net
 
 
 @pytest.fixture

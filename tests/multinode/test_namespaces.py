@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import EtcdServer
-from elastic.harness.faults import Net
+from elastic_tools.harness.faults import Net
 from tests.agent.jobs import Job
 from tests.agent.test_membership import assert_continuous, first_step_after
 from tests.helpers import wait_until

@@ -22,8 +22,8 @@ import pytest
 
 from elastic import env, events
 from elastic.etcd.server import EtcdServer
-from elastic.harness.faults import Net
-from elastic.procs import descendants, kill
+from elastic.node.procs import descendants, kill
+from elastic_tools.harness.faults import Net
 from tests.agent.jobs import LR, Job, assert_models_match
 from tests.agent.test_membership import assert_continuous, first_step_after
 from tests.helpers import PYTHON, REPO, Node, node_env, pid_alive, wait_until
@@ -54,7 +54,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     argv = [
         PYTHON,
         "-m",
-        "elastic.training.worker",
+        "elastic_tools.training.worker",
         "--config",
         str(REPO / "configs" / "tiny.yaml"),
         "job.run_id=reference",

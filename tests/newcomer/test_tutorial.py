@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd.server import EtcdServer
-from elastic.procs import descendants
+from elastic.node.procs import descendants
 from tests.helpers import FAST_CONF, REPO, local_cluster, node_env, run_node, wait_until
 
 TUTORIAL = REPO / "examples" / "tutorial"

@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from elastic.recovery.agreement import StepEnd
-from elastic.training.worker import main
+from elastic.worker.agreement import StepEnd
+from elastic_tools.training.worker import main
 
 SETTLE_S = 0.5
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic import nodelocal
 from elastic.etcd.server import EtcdServer
-from elastic.harness.cluster import AgentOptions, LocalCluster
+from elastic.node import nodelocal
+from elastic_tools.harness.cluster import AgentOptions, LocalCluster
 from tests.helpers import node_env
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic.recovery.session import Run
+from elastic.worker.session import Run
 
 
 def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import env
-from elastic.recovery.session import Run
+from elastic.worker.session import Run
 
 NEVER = 10**6  # a periodic snapshot interval no test reaches
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic.recovery.session import Run
+from elastic.worker.session import Run
 
 
 def main(rank: int, world: int, tmp: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.errors import RecoveryError
-from elastic.recovery import exchange
+from elastic.worker import exchange
 
 
 def _sender(case: str) -> None:
@@ -53,7 +53,7 @@ def _abandoned(rank: int, store: dist.Store) -> None:
     import threading
     import time
 
-    from elastic.inplace.guard import StepGuard
+    from elastic.worker.guard import StepGuard
 
     guard = StepGuard()
     threading.Timer(0.5, guard.abort, ("a newer round is formed",)).start()

@@ -23,7 +23,7 @@ def test_rank0_dies_after_the_agreement(tmp_path, etcd: EtcdServer, run_id: str)
     job = Job(tmp_path, etcd.endpoint, run_id, max_steps=30)
     marker = tmp_path / "killed"
     argv = job.worker_argv()
-    module = argv.index("elastic.training.worker")
+    module = argv.index("elastic_tools.training.worker")
     worker = [*argv[:module], "tests.recovery.agreed_then_killed", str(AGREED), str(marker)]
     worker += argv[module + 1 :]
     try:

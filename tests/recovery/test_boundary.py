@@ -1,4 +1,4 @@
-"""The step-boundary rule (elastic.recovery.boundary): a table of every flag combination that
+"""The step-boundary rule (elastic.worker.boundary): a table of every flag combination that
 matters, each row naming its outcome and reason, and a property over all of them: only
 "every rank stops" ends the job's loop; a rank leaves only when it was asked to. Pure: no
 process, no group."""
@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from elastic.recovery.boundary import Action, Layout, Tally, Vote, decide, ends_the_job
+from elastic.worker.boundary import Action, Layout, Tally, Vote, decide, ends_the_job
 
 A = Action
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elastic.errors import RecoveryError
-from elastic.recovery.session import Run, rolled_over
+from elastic.worker.session import Run, rolled_over
 
 
 def test_a_state_of_the_previous_epochs_end_is_this_epochs_start() -> None:

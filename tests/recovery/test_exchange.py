@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from elastic import events
-from elastic.recovery.exchange import Offer, decide, newest
+from elastic.worker.exchange import Offer, decide, newest
 from tests.helpers import REPO
 
 

@@ -1,5 +1,5 @@
 """The waiting ranks name the ones that never reached a step's collectives (``worker.hang.peers``):
-a roll call in the round's store, written only past the hang bound (elastic.recovery.hang)."""
+a roll call in the round's store, written only past the hang bound (elastic.worker.hang)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic import events
-from elastic.recovery.hang import HangWatch, absent, roll_call
+from elastic.worker.hang import HangWatch, absent, roll_call
 
 
 class _Guard:

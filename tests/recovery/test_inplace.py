@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.harness.cluster import LocalCluster
-from elastic.procs import descendants
+from elastic.node.procs import descendants
+from elastic_tools.harness.cluster import LocalCluster
 from tests.helpers import REPO, node_env, pid_alive, wait_until
 
 pytestmark = pytest.mark.slow
@@ -225,7 +225,7 @@ def test_a_user_script_dies_with_its_agent(cluster: LocalCluster, tmp_path: Path
 def _fork_server(agent: int) -> int:
     """The agent's fork server: its child whose own child is a worker (on Run, a script's
     worker is a fork of the server)."""
-    from elastic.procs import children
+    from elastic.node.procs import children
 
     found = [c for c in children(agent) if children(c)]
     assert len(found) == 1, f"expected one fork server below agent {agent}, found {found}"

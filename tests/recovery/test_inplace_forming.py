@@ -6,7 +6,7 @@ Node c joins a and b; its worker forms the round's default group, then stops bef
 writes its address for the side group (this file, run as c's worker, makes the side group
 a hang), so a's and b's workers wait in the store for it. c is killed (kill -9 of its agent
 and worker). The agents form the next round at once; the survivors' store waits give the
-dead round up (:mod:`elastic.inplace.formstore`) and they re-form in place: the job
+dead round up (:mod:`elastic.worker.formstore`) and they re-form in place: the job
 finishes with the same two worker processes, every step once, each sample once per epoch,
 the fault-free model. (Seen in a chaos run: both survivors held 10 minutes in that wait,
 the side group's timeout, deaf to every newer round, and outliving their agents.)
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  (before any os.environ: the worker below starts warm)
 
-from elastic.harness.cluster import LocalCluster
+from elastic_tools.harness.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inplace_user.py"
@@ -72,7 +72,7 @@ def _hang_in_side_group() -> None:
     never writes its address), after marking it."""
     import runpy
 
-    from elastic.inplace import groups
+    from elastic.worker import groups
 
     out = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")))
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  (before any os.environ: the worker below starts warm)
 
-from elastic.harness.cluster import LocalCluster
-from elastic.procs import descendants
+from elastic.node.procs import descendants
+from elastic_tools.harness.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inplace_user.py"
@@ -80,7 +80,7 @@ def _hold_the_first_stream() -> None:
 
     import torch.distributed as dist
 
-    from elastic.recovery import exchange
+    from elastic.worker import exchange
 
     out = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")))
     real = exchange.stream

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from elastic.errors import ConfigError
-from elastic.recovery.jit import AUTO, PROBE_SNAPSHOTS, PROBE_STEPS, AutoInterval, parse_every
-from elastic.recovery.snapshot import SnapshotStore
+from elastic.worker.jit import AUTO, PROBE_SNAPSHOTS, PROBE_STEPS, AutoInterval, parse_every
+from elastic.worker.snapshot import SnapshotStore
 from tests.helpers import REPO
 
 SCRIPT = str(Path(__file__).with_name("jit_worker.py"))

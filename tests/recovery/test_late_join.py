@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.harness.cluster import LocalCluster
+from elastic_tools.harness.cluster import LocalCluster
 from tests.recovery.test_inplace import SCRIPT, _records
 
 pytestmark = pytest.mark.slow

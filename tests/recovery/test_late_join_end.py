@@ -1,4 +1,4 @@
-"""The job's end with a newer round pending (elastic.recovery.agreement.StepEnd.
+"""The job's end with a newer round pending (elastic.worker.agreement.StepEnd.
 end_in_newest_round and Run._save_final): the group never ends in a round whose fence moved
 on; it re-forms into the newer round and commits the last step there. Stand-ins for the group
 and the checkpoint manager (the units under test are the end's decisions); milliseconds."""
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from elastic.recovery.agreement import END_REFORMS, StepEnd
-from elastic.recovery.session import Run
+from elastic.worker.agreement import END_REFORMS, StepEnd
+from elastic.worker.session import Run
 
 STEP = 16
 

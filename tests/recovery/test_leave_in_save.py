@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.harness.cluster import LocalCluster
+from elastic_tools.harness.cluster import LocalCluster
 from tests.helpers import node_env
 from tests.recovery.test_inplace import SCRIPT, _kept, _records, _relative_l2
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.harness.cluster import LocalCluster
+from elastic_tools.harness.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 STRAGGLER = Path(__file__).resolve().parent / "test_straggler.py"

@@ -1,4 +1,4 @@
-"""Probation's rule (elastic.recovery.probation.decide), table-tested with a fake clock; the
+"""Probation's rule (elastic.worker.probation.decide), table-tested with a fake clock; the
 request a dropped node's worker leaves for its agent; the agent's probe."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic import nodelocal
 from elastic.errors import ConfigError
-from elastic.recovery import probation
-from elastic.recovery.probation import Action, History, Options, Request, decide
+from elastic.node import nodelocal
+from elastic.worker import probation
+from elastic.worker.probation import Action, History, Options, Request, decide
 
 OPTS = Options(first_s=5.0, cap_s=20.0, max_failures=4, pass_ratio=1.5, max_probations=3)
 INF = math.inf

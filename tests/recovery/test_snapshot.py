@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.recovery.codec import RecoveryError, decode, from_json, to_json
-from elastic.recovery.sampler import DistributedSampler
-from elastic.recovery.snapshot import (
+from elastic.worker.codec import RecoveryError, decode, from_json, to_json
+from elastic.worker.sampler import DistributedSampler
+from elastic.worker.snapshot import (
     SnapshotStore,
     Snapshotter,
     remove_orphans,
@@ -80,7 +80,7 @@ def test_a_reader_in_another_process_sees_it(tmp_path: Path) -> None:
     snaps.take(5, 0, _state(model, opt, 5), _stable(opt))
     snaps.wait()
     code = (
-        "from elastic.recovery.snapshot import SnapshotStore\n"
+        "from elastic.worker.snapshot import SnapshotStore\n"
         f"s = SnapshotStore('run-1', 2, owner=4242, directory={str(tmp_path)!r})\n"
         "print(s.read()[0].step)\n"
     )
@@ -135,7 +135,7 @@ def test_kill_mid_copy_in_a_real_process_leaves_the_older_one(tmp_path: Path) ->
     """A writer process killed while its background copy runs (seq stays odd)."""
     code = f"""
 import os, torch
-import elastic.recovery.snapshot as S
+import elastic.worker.snapshot as S
 store = S.SnapshotStore("run-k", 0, owner=7, directory={str(tmp_path)!r})
 snaps = S.Snapshotter(store, background=True)
 big = torch.ones(4_000_000)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic import reform
 from elastic.checkpoint import find_latest_complete
+from elastic.node import reform
 from tests.helpers import REPO
 
 

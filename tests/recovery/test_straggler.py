@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401  (before any os.environ: the hang worker starts warm)
 
-from elastic.harness.cluster import LocalCluster
+from elastic_tools.harness.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "inplace_user.py"

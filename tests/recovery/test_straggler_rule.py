@@ -1,4 +1,4 @@
-"""The straggler rule (elastic.recovery.straggler): a pure function of (view, state, now),
+"""The straggler rule (elastic.worker.straggler): a pure function of (view, state, now),
 table-tested with a fake clock; and the boundary vector's per-rank slots carry it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from elastic.errors import ConfigError
-from elastic.recovery import straggler
-from elastic.recovery.boundary import Layout, Vote
-from elastic.recovery.straggler import Options, State, View, decide
+from elastic.worker import straggler
+from elastic.worker.boundary import Layout, Vote
+from elastic.worker.straggler import Options, State, View, decide
 
 ON = Options(ratio=2.0, steps=3, drop=True, min_nodes=2, window_s=60.0)
 
@@ -176,7 +176,7 @@ def test_metrics_show_every_ranks_times_and_the_counts(tmp_path: Path) -> None:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from elastic import metrics
+    from elastic.agent import metrics
 
     log = tmp_path / "events.jsonl"
     lines = [
@@ -239,7 +239,7 @@ def test_hang_watch_names_only_a_rank_with_no_collective_in_flight(
     """Past the bound with a collective in flight: a peer is late, not us; without one: we
     are stuck; the stacks and the hang go to the event log, then the process exits."""
     from elastic import events
-    from elastic.recovery.hang import HangWatch
+    from elastic.worker.hang import HangWatch
 
     monkeypatch.setenv("ELASTIC_HANG", "2,5")
     monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
@@ -255,7 +255,7 @@ def test_hang_watch_names_only_a_rank_with_no_collective_in_flight(
     watch.pause()
     assert watch.stuck_for(200.0) is None  # at the boundary
     watch.give_up(3.0)
-    assert exits == [76]  # elastic.reform.HUNG: its agent leaves the round, then rejoins
+    assert exits == [76]  # elastic.node.reform.HUNG: its agent leaves the round, then rejoins
     stacks = events.read(tmp_path / "events.jsonl", "worker.stacks")[0]
     assert "test_hang_watch_names_only" in stacks["stacks"] and stacks["rank"] == 3
     hang = events.read(tmp_path / "events.jsonl", "worker.hang")[0]
@@ -263,7 +263,7 @@ def test_hang_watch_names_only_a_rank_with_no_collective_in_flight(
 
 
 def test_no_hang_watch_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic.recovery.hang import HangWatch
+    from elastic.worker.hang import HangWatch
 
     monkeypatch.delenv("ELASTIC_HANG", raising=False)
     watch = HangWatch(_Guard(), lambda: (), lambda: (0, 0))
@@ -290,8 +290,8 @@ def test_step_times_measure_and_ask_for_probation_or_leave(
     from types import SimpleNamespace
 
     from elastic import events
-    from elastic.recovery import probation, timing
-    from elastic.recovery.boundary import Tally
+    from elastic.worker import probation, timing
+    from elastic.worker.boundary import Tally
 
     monkeypatch.setenv("ELASTIC_STRAGGLER", "2,2")
     monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", "4242")

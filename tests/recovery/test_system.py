@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from elastic import nodelocal
-from elastic.harness.cluster import LocalCluster
+from elastic.node import nodelocal
+from elastic_tools.harness.cluster import LocalCluster
 from tests.helpers import REPO, wait_until
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from elastic import events
-from elastic.harness.cluster import ETCD_V3, AgentOptions, LocalCluster
 from elastic.rendezvous.options import SINGLE_KEY
+from elastic_tools.harness.cluster import ETCD_V3, AgentOptions, LocalCluster
 from tests.helpers import FAST_CONF, REPO, Node, kill_pid, node_env
 
 WORKER = REPO / "tests" / "scripts" / "allreduce_worker.py"

@@ -2,7 +2,7 @@
 with checkpoints saving every other step: after the thaw every node rejoins, a round forms
 within seconds, and the job goes on from its state in memory to the end, exit 0.
 
-The outage of the chaos harness's ``etcd_freeze_in_save`` (elastic/chaos/compound.py) on
+The outage of the chaos harness's ``etcd_freeze_in_save`` (elastic_tools/chaos/compound.py) on
 two nodes; tests/rendezvous/test_etcd_freeze.py is the same outage with in-process
 handlers (fast, and where the cause is explained).
 """
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from elastic.etcd.server import EtcdServer
-from elastic.harness.cluster import AgentOptions, LocalCluster
+from elastic_tools.harness.cluster import AgentOptions, LocalCluster
 from tests.helpers import node_env
 from tests.recovery.test_inplace import SCRIPT
 from tests.rendezvous.test_etcd_freeze import FREEZE_S, freeze

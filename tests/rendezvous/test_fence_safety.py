@@ -23,7 +23,7 @@ from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.fence import FenceSpec, RoundFence, publish_round
 from elastic.rendezvous.keys import RunKeys
-from elastic.training.config import CheckpointConfig
+from elastic_tools.training.config import CheckpointConfig
 
 PREFIX = "/fence-safety"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -1,7 +1,7 @@
 """Layering read from the sources: the rendezvous speaks to etcd only through
 elastic.etcd.client (no module under elastic/rendezvous/ imports grpc or the etcd
 protobufs), and private torch names stay behind their two doors: ``checkpoint/storage.py``
-for DCP and ``inplace/groups.py`` for c10d and DDP. A private name is a module or attribute
+for DCP and ``worker/groups.py`` for c10d and DDP. A private name is a module or attribute
 whose name starts with one underscore (not a dunder), imported from torch or reached
 through a torch module, however it is imported or aliased."""
 
@@ -51,7 +51,7 @@ def test_no_rendezvous_module_imports_grpc_or_etcd_protobufs(path: Path) -> None
 
 # -- private torch names: only through the declared doors --------------------------------------
 
-DOORS = {"checkpoint/storage.py", "inplace/groups.py"}
+DOORS = {"checkpoint/storage.py", "worker/groups.py"}
 
 
 def _private(name: str) -> bool:
@@ -131,7 +131,7 @@ def test_private_torch_names_only_through_their_doors(path: Path) -> None:
     found = torch_privates(path.read_text())
     assert not found, (
         f"{path.relative_to(PACKAGE)} uses private torch names: {found}; reach them through "
-        "checkpoint/storage.py (DCP) or inplace/groups.py (c10d, DDP)"
+        "checkpoint/storage.py (DCP) or worker/groups.py (c10d, DDP)"
     )
 
 
@@ -163,3 +163,23 @@ def test_the_scanner_lets_public_names_and_dunders_pass() -> None:
         "from torch.distributed.checkpoint import FileSystemReader\n"
     )
     assert torch_privates(source) == []
+
+
+@pytest.mark.unit
+def test_the_runtime_never_imports_the_tooling() -> None:
+    """``elastic`` (what a job imports) names nothing of ``elastic_tools`` (the chaos runner,
+    the harness, the CNN worker, the demo, the dashboard): only as a string, for a command."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [
+                f"{path.relative_to(PACKAGE)}:{node.lineno} imports {name}"
+                for name in names
+                if name.split(".")[0] == "elastic_tools"
+            ]
+    assert not offenders, offenders

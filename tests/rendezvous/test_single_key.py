@@ -22,11 +22,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 
 from elastic.errors import ConfigError
 from elastic.etcd.server import EtcdServer
-from elastic.harness.cluster import fast_conf
-from elastic.procs import kill
+from elastic.node.procs import kill
 from elastic.rendezvous.contract import MembershipHandler
 from elastic.rendezvous.options import FAST_FAILOVER, SINGLE_KEY
 from elastic.rendezvous.registry import create_rdzv_handler
+from elastic_tools.harness.cluster import fast_conf
 from tests.agent.jobs import Job
 from tests.helpers import wait_until
 

@@ -15,7 +15,7 @@ from elastic.etcd.client import EtcdClient
 from elastic.rendezvous.backend import EtcdRendezvousBackend, encode_state
 from elastic.rendezvous.keys import RunKeys
 from elastic.rendezvous.lease import RunLease
-from elastic.tools.status import rendezvous_status
+from elastic_tools.status import rendezvous_status
 
 SECRET = b"a-job-secret-of-enough-length-000"
 

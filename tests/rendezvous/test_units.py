@@ -127,7 +127,7 @@ def test_run_keys() -> None:
 def test_the_password_comes_from_a_file_or_the_environment_never_stays_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from elastic import credentials
+    from elastic.etcd import credentials
 
     secret = tmp_path / "pw"
     secret.write_text("from-file\n")

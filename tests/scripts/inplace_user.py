@@ -190,7 +190,7 @@ def _break_store(out: Path) -> None:
     if marker.exists():
         return
     marker.touch()
-    from elastic.inplace import groups
+    from elastic.worker import groups
 
     def unreachable(host, port):
         raise ConnectionRefusedError(f"constructed: {host}:{port} is cut off")

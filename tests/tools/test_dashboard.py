@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from elastic.etcd.server import EtcdServer
-from elastic.tools.dashboard import (
+from elastic_tools.dashboard import (
     MAX_OTHER,
     MAX_STEPS,
     Dashboard,
@@ -33,7 +33,7 @@ from elastic.tools.dashboard import (
     host_name,
     serve,
 )
-from elastic.tools.status import etcd_options
+from elastic_tools.status import etcd_options
 from tests.agent.jobs import Job
 from tests.helpers import PYTHON, REPO, node_env, wait_until
 
@@ -406,7 +406,7 @@ def test_the_command_serves_until_ctrl_c(etcd: EtcdServer, run_id: str, tmp_path
     step = {"ts": 5.0, "kind": "train.step", "step": 7, "loss": 1.5, "world_size": 1}
     (runs / run_id / "events.jsonl").write_text(json.dumps(step) + "\n")
     out = tmp_path / "dashboard.out"
-    argv = [PYTHON, "-m", "elastic.tools.cli", "dashboard", "--port", "0"]
+    argv = [PYTHON, "-m", "elastic_tools.cli", "dashboard", "--port", "0"]
     argv += ["--etcd", etcd.endpoint, "--run-id", run_id, "--runs-dir", str(runs)]
     with open(out, "wb") as f:
         proc = subprocess.Popen(

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from elastic.harness.cluster import LocalCluster
-from elastic.tools.demo import QUICK, _job_secret, _serve_dashboard
+from elastic_tools.demo import QUICK, _job_secret, _serve_dashboard
+from elastic_tools.harness.cluster import LocalCluster
 from tests.helpers import PYTHON, REPO, node_env, wait_until
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -61,7 +61,7 @@ def test_dashboard_moves_to_a_free_port_when_its_port_is_taken(
 def test_quick_demo_serves_the_dashboard_and_draws_the_timeline(tmp_path: Path) -> None:
     runs, run_id = tmp_path / "runs", "demo-test"
     out = tmp_path / "demo.out"
-    argv = [PYTHON, "-m", "elastic.tools.cli", "demo", "--quick", "--dashboard-port", "0",
+    argv = [PYTHON, "-m", "elastic_tools.cli", "demo", "--quick", "--dashboard-port", "0",
             "--runs-dir", str(runs), "--run-id", run_id]  # fmt: skip
     with open(out, "wb") as f:
         proc = subprocess.Popen(

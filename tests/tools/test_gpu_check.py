@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from elastic.harness import benchjson
+from elastic_tools.harness import benchjson
 from tests.helpers import PYTHON, REPO
 
 SCRIPT = REPO / "bench" / "gpu_check.py"

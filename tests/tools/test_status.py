@@ -21,15 +21,15 @@ from elastic.checkpoint.layout import make_marker, step_url, write_marker
 from elastic.errors import EtcdStateError
 from elastic.etcd.client import EtcdClient
 from elastic.etcd.server import EtcdServer, free_port
-from elastic.harness.cluster import AgentOptions, LocalCluster
 from elastic.rendezvous.backend import encode_state
 from elastic.rendezvous.keys import RunKeys
-from elastic.tools import status as status_module
-from elastic.tools.status import NEEDS_SECRET, format_table, rendezvous_status
+from elastic_tools import status as status_module
+from elastic_tools.harness.cluster import AgentOptions, LocalCluster
+from elastic_tools.status import NEEDS_SECRET, format_table, rendezvous_status
 from tests.helpers import FAST_CONF, PYTHON, REPO, node_env, wait_until
 from tests.rendezvous.test_tls_auth import PASSWORD, SecureEtcd, secure_etcd  # noqa: F401
 
-STATUS = [PYTHON, "-m", "elastic.tools.cli", "status"]
+STATUS = [PYTHON, "-m", "elastic_tools.cli", "status"]
 SECRET = b"a-job-secret-of-enough-length-0001"
 
 
@@ -373,7 +373,7 @@ def test_the_command_shows_the_undecoded_parts_and_asks_for_the_secret(
 
 def test_status_shows_the_slowest_ranks_and_stuck_ones(tmp_path: Path) -> None:
     """From the event log: the newest measured step's slowest ranks, then the newest slow,
-    dropped and stuck ranks (elastic.recovery.timing, elastic.recovery.hang)."""
+    dropped and stuck ranks (elastic.worker.timing, elastic.worker.hang)."""
     log = tmp_path / "events.jsonl"
     lines = [
         {"ts": 1.0, "kind": "train.step", "step": 7, "slowest": [[2, 3.1], [0, 1.0]]},

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from elastic.tools.timeline import PAUSE_GID, analyse, build_figure, load_events, render_timeline
+from elastic_tools.timeline import PAUSE_GID, analyse, build_figure, load_events, render_timeline
 from tests.helpers import PYTHON, REPO, node_env
 
 T0 = 1_700_000_000.0
@@ -192,7 +192,7 @@ def _cli(*argv: str) -> Any:
     import subprocess
 
     return subprocess.run(
-        [PYTHON, "-m", "elastic.tools.cli", *argv],
+        [PYTHON, "-m", "elastic_tools.cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,

@@ -85,7 +85,7 @@ def launch(
     timeout: float = WORKER_TIMEOUT_S,
 ) -> WorkerRun:
     """Run the worker under ``torchrun --standalone`` and wait for it."""
-    target = [str(script)] if script else ["-m", "elastic.training.worker"]
+    target = [str(script)] if script else ["-m", "elastic_tools.training.worker"]
     cmd = [
         sys.executable,
         "-m",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic.errors import ConfigError
-from elastic.training.config import Config, load_config
+from elastic_tools.training.config import Config, load_config
 from tests.helpers import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -74,7 +74,14 @@ def test_malformed_override_is_explained() -> None:
 
 def _run_worker(config: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "elastic.training.worker", "--config", str(config), *overrides],
+        [
+            sys.executable,
+            "-m",
+            "elastic_tools.training.worker",
+            "--config",
+            str(config),
+            *overrides,
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -104,7 +111,7 @@ def test_worker_rejects_bad_config_with_exit_2(
     proc = _run_worker(tiny_config(), *overrides)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("elastic.training.worker: error:")]
+    errors = [line for line in lines if line.startswith("elastic_tools.training.worker: error:")]
     assert len(errors) == 1 and needle in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
 

@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from elastic.errors import ConfigError
-from elastic.training.config import DataConfig
-from elastic.training.data import SyntheticImages, build_dataset, collate
+from elastic_tools.training.config import DataConfig
+from elastic_tools.training.data import SyntheticImages, build_dataset, collate
 
 
 def test_synthetic_is_deterministic_and_class_conditional() -> None:

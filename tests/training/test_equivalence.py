@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from elastic import events
 from elastic.checkpoint import find_latest_complete
 from elastic.checkpoint.storage import make_reader
-from elastic.training.config import ModelConfig
-from elastic.training.model import build_model
+from elastic_tools.training.config import ModelConfig
+from elastic_tools.training.model import build_model
 
 from .conftest import TINY, launch
 

@@ -21,11 +21,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic import env, events, nodelocal
+from elastic import env, events
 from elastic.checkpoint import find_latest_complete
 from elastic.checkpoint.storage import make_reader
-from elastic.training.config import ModelConfig
-from elastic.training.model import build_model
+from elastic.node import nodelocal
+from elastic_tools.training.config import ModelConfig
+from elastic_tools.training.model import build_model
 from tests.helpers import REPO, wait_until
 
 from .conftest import WORKER_TIMEOUT_S, launch
@@ -71,7 +72,7 @@ def _torchrun(config: Path, overrides: list[str], log: Path) -> subprocess.Popen
         "PYTHONPATH": str(REPO),
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["--max-restarts=1", "-m", "elastic.training.worker", "--config", str(config)]
+    cmd += ["--max-restarts=1", "-m", "elastic_tools.training.worker", "--config", str(config)]
     return subprocess.Popen(
         cmd + overrides,
         cwd=REPO,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic.training.sampler import Cursor, ElasticSampler
+from elastic_tools.training.sampler import Cursor, ElasticSampler
 
 
 def _sampler() -> ElasticSampler:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic import events, reform
+from elastic import events
 from elastic.checkpoint import find_latest_complete
+from elastic.node import reform
 from tests.helpers import REPO
 
 from .conftest import WORKER_TIMEOUT_S
@@ -51,7 +52,7 @@ def test_sigterm_to_one_rank_saves_and_peers_ask_to_reform(
             "--nproc-per-node=2",
             "--max-restarts=0",
             "-m",
-            "elastic.training.worker",
+            "elastic_tools.training.worker",
             "--config",
             str(config),
         ],

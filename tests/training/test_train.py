@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.training.config import OptimizerConfig, load_config
-from elastic.training.model import BatchNormStats
-from elastic.training.sampler import ElasticSampler
-from elastic.training.train import lr_lambda
-from elastic.training.worker import total_steps
+from elastic_tools.training.config import OptimizerConfig, load_config
+from elastic_tools.training.model import BatchNormStats
+from elastic_tools.training.sampler import ElasticSampler
+from elastic_tools.training.train import lr_lambda
+from elastic_tools.training.worker import total_steps
 
 
 def test_lr_warmup_then_cosine_to_floor() -> None:

@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from elastic import nodelocal
-from elastic.recovery.session import Run
-from elastic.recovery.snapshot import owner_pid
+from elastic.node import nodelocal
+from elastic.worker.session import Run
+from elastic.worker.snapshot import owner_pid
 
 
 def main(directory: str, total: int) -> None:

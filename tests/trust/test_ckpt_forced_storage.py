@@ -8,7 +8,7 @@ ignored (pure tests of ``exchange.newest``).
 
 from __future__ import annotations
 
-from elastic.recovery.exchange import Offer, newest
+from elastic.worker.exchange import Offer, newest
 
 
 def test_another_ranks_persisted_claim_does_not_force_a_storage_resume() -> None:

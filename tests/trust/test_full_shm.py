@@ -55,7 +55,7 @@ def test_a_state_too_large_for_shm_is_one_sentence_before_the_first_step(
     owner = os.getpid()
     code = (
         "import torch\n"
-        "from elastic.recovery.session import Run\n"
+        "from elastic.worker.session import Run\n"
         "model = torch.nn.Linear(1024, 2048)  # 8 MiB of weights, 4 MiB of room\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         f"run = Run(model, opt, run_id='full', snapshot_dir={str(small_shm)!r}, snapshot_every=1)\n"
@@ -77,7 +77,7 @@ def test_a_state_that_outgrows_shm_later_is_one_sentence_too(small_shm: Path) ->
     code = (
         "import torch\n"
         "from elastic.errors import RecoveryError\n"
-        "from elastic.recovery.snapshot import SnapshotStore, Snapshotter\n"
+        "from elastic.worker.snapshot import SnapshotStore, Snapshotter\n"
         f"store = SnapshotStore('grow', 0, owner={owner}, directory={str(small_shm)!r})\n"
         "snaps = Snapshotter(store, background=False)\n"
         "snaps.take(1, 0, {'w': torch.ones(1000)}, set())\n"

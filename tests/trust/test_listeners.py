@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic import env, listener, metrics
+from elastic import env
+from elastic.agent import listener, metrics
 from elastic.etcd.server import EtcdServer
-from elastic.tools.dashboard import Dashboard, serve
-from elastic.tools.status import etcd_options
+from elastic_tools.dashboard import Dashboard, serve
+from elastic_tools.status import etcd_options
 from tests.helpers import FAST_CONF, local_cluster, node_env, wait_until
 
 IDLE = 300  # connections that send nothing

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic import memlimit
-from elastic.recovery import exchange
-from elastic.recovery.codec import RecoveryError
+from elastic.node import memlimit
+from elastic.worker import exchange
+from elastic.worker.codec import RecoveryError
 from tests.helpers import REPO
 
 GIB = 1 << 30

@@ -70,14 +70,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     "find_class restricted to DCP's metadata classes, torch.Size, dtypes and layouts "
     "(dcp_metadata.ALLOWED): a member that holds the secret still runs no code",
     (
-        "elastic/tools/status.py",
+        "elastic_tools/status.py",
         "_StateUnpickler",
         "pickle.Unpickler",
     ): "`elastic status` unpickles torch's single-key rendezvous state only after its HMAC "
     "with the job secret verified (decode_state), and through find_class restricted to "
     "torch's rendezvous state classes",
     (
-        "elastic/training/data.py",
+        "elastic_tools/training/data.py",
         "_CifarUnpickler",
         "pickle.Unpickler",
     ): "the CIFAR-10 python batches at the dataset URL the operator configured (our demo "
@@ -209,7 +209,7 @@ def scan(source: str, path: str = "<planted>") -> list[Finding]:
 
 def scan_package() -> list[Finding]:
     found: list[Finding] = []
-    for file in sorted(PACKAGE.rglob("*.py")):
+    for file in sorted([*PACKAGE.rglob("*.py"), *(REPO / "elastic_tools").rglob("*.py")]):
         found += scan(file.read_text(), str(file.relative_to(REPO)))
     return found
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic import nodelocal
+from elastic.node import nodelocal
 from tests.trust.conftest import NOBODY, as_nobody
 
 DECOYS = 20_000

@@ -21,7 +21,7 @@ from tests.trust.conftest import NOBODY
 WORKER = """
 import os, sys, time
 # forked from a server that was forked from the agent: the agent's password must be gone
-held = getattr(sys.modules.get("elastic.credentials"), "_env_password", None)
+held = getattr(sys.modules.get("elastic.etcd.credentials"), "_env_password", None)
 open(sys.argv[1] + ".held", "w").write("held" if held else "clear")
 open(sys.argv[1] + ".tmp", "w").write(str(os.getpid()))
 os.rename(sys.argv[1] + ".tmp", sys.argv[1])
@@ -35,7 +35,7 @@ while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
 # for stdin to close.
 HOLDER = """
 import subprocess, sys
-from elastic import credentials
+from elastic.etcd import credentials
 credentials.take_password_from_env()
 path = credentials.password_file(credentials.password_from_env() or "")
 read = subprocess.run(["cat", path], capture_output=True, text=True)

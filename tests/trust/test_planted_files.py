@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic import env, nodelocal, reform
-from elastic.inplace import channel
-from elastic.inplace.channel import Assignment, Registration
-from elastic.recovery.codec import RecoveryError
-from elastic.recovery.snapshot import SnapshotStore
+from elastic import env
+from elastic.node import channel, nodelocal, reform
+from elastic.node.channel import Assignment, Registration
+from elastic.worker.codec import RecoveryError
+from elastic.worker.snapshot import SnapshotStore
 from tests.trust.conftest import DROP_ROOT, NOBODY, as_nobody, python, worker
 
 ROOT_DIR = f"elastic-{os.geteuid()}"  # the name the attacker takes first

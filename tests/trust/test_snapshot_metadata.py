@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.recovery import codec
-from elastic.recovery.codec import RecoveryError, decode, from_json
-from elastic.recovery.snapshot import HEADER_BYTES, SnapshotStore
+from elastic.worker import codec
+from elastic.worker.codec import RecoveryError, decode, from_json
+from elastic.worker.snapshot import HEADER_BYTES, SnapshotStore
 from tests.trust.conftest import worker
 
 DATA = torch.zeros(4096, dtype=torch.uint8)  # a 4 KiB data range

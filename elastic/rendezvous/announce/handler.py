@@ -79,7 +79,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
     """
 
     # Each round's bootstrap store is hosted by an agent (rank 0's), so running workers can
-    # form a new round's group through it: in-place re-forms (elastic.inplace).
+    # form a new round's group through it: in-place re-forms (elastic.worker).
     hosts_round_store = True
     _fence = ""
 

@@ -19,7 +19,7 @@ from elastic.secret import shared_secret
 
 def announce_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
     """The run's announce rendezvous in the shape of
-    :func:`elastic.tools.status.rendezvous_status` (which reads the single-key state only):
+    :func:`elastic_tools.status.rendezvous_status` (which reads the single-key state only):
     the round key and every member key in one read, and each member's lease for how long
     ago it was renewed (its heartbeat). ``{"exists": False}`` when neither key exists.
 

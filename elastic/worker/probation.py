@@ -1,0 +1,227 @@
+"""Probation: when a node dropped as a straggler checks its health and comes back.
+
+A node the straggler policy drops (:mod:`elastic.worker.straggler`) leaves the group in
+place like a planned leave (0 steps lost), but its agent stays: it sits out and runs a short
+health check (:mod:`elastic.agent.probation` runs the probe), and rejoins once a check
+passes. :func:`decide` is the rule, a pure function of (history, measurement, now):
+
+* The first check runs ``first_s`` after the node left.
+* A check **passes** when the probe took at most ``pass_ratio`` times its *baseline* (the
+  same probe timed when the node was healthy, as its agent started): the node rejoins (it
+  announces itself again as a joiner and takes the group's state from a peer). A probe that
+  failed or ran past its timeout is a failed check (``inf`` seconds). Without a baseline (its
+  probe failed at the start) a probe that completes passes.
+* A **failed** check waits before the next: ``first_s`` doubled after each failed check
+  (10, 20, 40 s ... with the defaults), at most ``cap_s``. After ``max_failures`` failed
+  checks the node leaves the job for good.
+* A node put on probation for the ``max_probations``-th time leaves for good at once: a
+  node that passes its check and is dropped again each time would otherwise flap between
+  the group and probation.
+
+:class:`Request` is what a dropped node's lowest rank leaves for its agent (a small file in
+the agent's private node-local directory, :func:`write_request` / :func:`take_request`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from elastic.errors import ConfigError
+from elastic.node import nodelocal
+
+ENV = "ELASTIC_PROBATION"  # "off", "on" (the defaults) or "FIRST_S,CAP_S,MAX_FAILURES"
+PROBE_ENV = "ELASTIC_PROBATION_PROBE"  # a command to run as the health check (else built in)
+REQUEST = "probation.json"  # in the agent's node-local directory
+DEFAULT_FIRST_S = 5.0
+DEFAULT_CAP_S = 60.0
+DEFAULT_MAX_FAILURES = 5
+DEFAULT_PASS_RATIO = 1.5
+DEFAULT_MAX_PROBATIONS = 3
+_OFF = ("0", "off", "false", "no")
+
+
+class Action(enum.Enum):
+    WAIT = "wait"  # check again at next_check_at
+    REJOIN = "rejoin"  # the check passed: join the job again
+    LEAVE = "leave"  # leave the job for good
+
+
+@dataclass(frozen=True)
+class Options:
+    enabled: bool = True
+    first_s: float = DEFAULT_FIRST_S  # the first check, and the first back-off
+    cap_s: float = DEFAULT_CAP_S  # the longest back-off
+    max_failures: int = DEFAULT_MAX_FAILURES  # failed checks before leaving for good
+    pass_ratio: float = DEFAULT_PASS_RATIO  # pass: probe <= pass_ratio x the baseline
+    max_probations: int = DEFAULT_MAX_PROBATIONS  # the n-th probation leaves at once
+
+
+@dataclass(frozen=True)
+class Check:
+    at: float  # when (the caller's clock)
+    seconds: float  # the probe's time; inf: it failed or timed out
+    passed: bool
+
+
+@dataclass(frozen=True)
+class History:
+    """One probation: when it began, what a healthy probe took, the checks so far."""
+
+    entered: float
+    baseline_s: float | None  # the probe timed when the node was healthy; None: unknown
+    probations: int = 1  # this node's probations in this job, this one included
+    checks: tuple[Check, ...] = ()
+
+    @property
+    def failures(self) -> int:
+        return sum(1 for c in self.checks if not c.passed)
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    next_check_at: float | None  # with WAIT
+    history: History  # with this measurement's check appended
+
+
+def backoff(failures: int, options: Options) -> float:
+    """Seconds to wait after the ``failures``-th failed check: ``first_s`` doubled each
+    time (10, 20, 40 s with the defaults), at most ``cap_s``."""
+    return min(options.cap_s, options.first_s * 2.0 ** max(failures, 0))
+
+
+def passes(seconds: float, baseline_s: float | None, options: Options) -> tuple[bool, str]:
+    """Whether a probe that took ``seconds`` passes, and why."""
+    if not math.isfinite(seconds):
+        return False, "the probe failed or ran past its timeout"
+    if baseline_s is None or baseline_s <= 0:
+        return True, f"the probe completed in {seconds:.3f} s (no healthy baseline to compare)"
+    ratio = seconds / baseline_s
+    verdict = "within" if ratio <= options.pass_ratio else "above"
+    text = (
+        f"the probe took {seconds:.3f} s, {ratio:.2f}x its healthy {baseline_s:.3f} s "
+        f"({verdict} {options.pass_ratio:g}x)"
+    )
+    return ratio <= options.pass_ratio, text
+
+
+def decide(history: History, measurement: float | None, now: float, options: Options) -> Decision:
+    """What a node on probation does now (see the module). ``measurement``: the seconds of
+    the check just run (``inf``: the probe failed), or None when no check ran (on entry)."""
+    if measurement is None:
+        if history.probations >= options.max_probations:
+            reason = (
+                f"probation {history.probations} of at most {options.max_probations - 1}: "
+                "the node keeps being dropped, it leaves the job for good"
+            )
+            return Decision(Action.LEAVE, reason, None, history)
+        due = history.entered + options.first_s
+        if history.checks:
+            due = history.checks[-1].at + backoff(history.failures, options)
+        return Decision(Action.WAIT, "on probation, waiting for its check", due, history)
+    ok, why = passes(measurement, history.baseline_s, options)
+    checks = (*history.checks, Check(now, measurement, ok))
+    after = History(history.entered, history.baseline_s, history.probations, checks)
+    if ok:
+        return Decision(Action.REJOIN, f"{why}: it rejoins", None, after)
+    if after.failures >= options.max_failures:
+        reason = f"{why}; {after.failures} failed check(s): it leaves the job for good"
+        return Decision(Action.LEAVE, reason, None, after)
+    wait = backoff(after.failures, options)
+    return Decision(Action.WAIT, f"{why}; next check in {wait:g} s", now + wait, after)
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
+    """``$ELASTIC_PROBATION``: unset or ``on``, the defaults; ``off``, a dropped node leaves
+    the job for good; ``FIRST_S,CAP_S,MAX_FAILURES`` (e.g. ``5,60,5``).
+
+    Raises:
+        ConfigError: a value that is not of that form.
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV, "").strip().lower()
+    if raw in ("", "on", "1", "true", "yes"):
+        return Options()
+    if raw in _OFF:
+        return Options(enabled=False)
+    parts = raw.split(",")
+    try:
+        first, cap, failures = float(parts[0]), float(parts[1]), int(parts[2])
+    except (IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"${ENV}={raw!r} is not 'FIRST_S,CAP_S,MAX_FAILURES' (e.g. '5,60,5': the first "
+            "check 5 s after the drop, back-offs doubling up to 60 s, 5 failed checks at most), "
+            "'on' or 'off'."
+        ) from exc
+    if len(parts) != 3 or first <= 0 or cap < first or failures < 1:
+        raise ConfigError(f"${ENV}={raw!r} needs 0 < FIRST_S <= CAP_S and MAX_FAILURES >= 1.")
+    return Options(first_s=first, cap_s=cap, max_failures=failures)
+
+
+# -- the request: from the dropped node's lowest rank to its agent ---------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """Why this node was dropped (:class:`elastic.worker.straggler.Slow`, at ``step``)."""
+
+    step: int
+    ratio: float  # the node's compute time over the median of the nodes'
+    median_s: float  # the group's median compute time at the drop
+    reason: str
+
+
+def write_request(owner: int, request: Request, base: str = nodelocal.DEFAULT_BASE) -> Path:
+    """Leave ``request`` for agent ``owner`` (in its private node-local directory)."""
+    path = nodelocal.directory(owner, base) / REQUEST
+    nodelocal.write_whole(path, json.dumps(asdict(request)).encode())
+    return path
+
+
+def take_request(owner: int, base: str = nodelocal.DEFAULT_BASE) -> Request | None:
+    """The request left for agent ``owner``, removed; None when there is none (or it cannot
+    be read: a file of the wrong kind is removed and ignored)."""
+    folder = nodelocal.find(owner, base)
+    if folder is None:
+        return None
+    path = folder / REQUEST
+    try:
+        raw = nodelocal.read_small(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        raw = b""
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    try:
+        data = json.loads(raw)
+        return Request(
+            int(data["step"]), float(data["ratio"]), float(data["median_s"]), str(data["reason"])
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+__all__ = [
+    "Action",
+    "Check",
+    "Decision",
+    "History",
+    "Options",
+    "Request",
+    "backoff",
+    "decide",
+    "options_from_env",
+    "passes",
+    "take_request",
+    "write_request",
+]

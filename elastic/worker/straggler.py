@@ -1,0 +1,250 @@
+"""Which node holds the group back: a pure rule over every rank's time of recent steps.
+
+Each rank measures, every step, its *compute* time (the step's wall time less the time its
+collectives were in flight) and its *wait* (that time in flight), and writes them, with
+its node's id, into its own slots of the step's agreement vector
+(:class:`elastic.worker.boundary.Layout`, :data:`SLOTS`): the one all-reduce the step
+already does hands every rank every rank's figures (no collective, no etcd write of its
+own). Every rank then applies :func:`decide` to the same figures and gets the same answer.
+
+The rule:
+
+* A rank's **ratio** is its compute time over the median of the ranks'; a node's is its
+  slowest rank's time over the median of the nodes' (the unit that is dropped is a node).
+* A node is **slow** at a step when its ratio exceeds ``ratio`` (X). After ``steps`` (K)
+  consecutive slow steps it is **detected** (event ``straggler.detected``, once per
+  crossing). A step some rank did not measure (the first one, the one after a re-form or
+  a join) starts the counts anew: the group changed, and a joiner has no counts to keep.
+* With fewer than :data:`MIN_NODES_TO_NAME` nodes nothing is named: the median of two
+  nodes is their mean, which cannot say which of the two is slow (one at half speed and
+  one at full speed read 1.33 and 0.67, or, on a loaded host, the other way round).
+  Ratios are still reported.
+* The **policy** (off by default, :func:`options_from_env`): a detected node is dropped
+  (in place, like a planned leave) unless that would leave fewer than ``min_nodes`` nodes,
+  or a node was dropped less than ``window_s`` ago (at most one node per window; the
+  slowest goes first). The window's age is the youngest any rank reports in its slots
+  (:attr:`View.since_drop`), so every rank, a joiner too, reads the same. A dropped node
+  sits out on probation and rejoins once its health check passes
+  (:mod:`elastic.worker.probation`). On a two-node job nothing is named, so nothing is
+  dropped.
+
+:func:`hang_bound` is the bound after which a step that has not reached its collectives
+counts as stuck (:mod:`elastic.worker.hang`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from elastic.errors import ConfigError
+
+# each rank's slots in the agreement vector; since_drop_s: seconds since the last drop this
+# rank knows of (0: none), so that a joiner keeps the window as the others do
+SLOTS = ("compute_s", "wait_s", "node", "since_drop_s")
+MIN_NODES_TO_NAME = 3
+ENV = "ELASTIC_STRAGGLER"  # "X,K" turns the policy on; unset/"off": detection only
+MIN_NODES_ENV = "ELASTIC_STRAGGLER_MIN_NODES"  # never drop below this many nodes
+HANG_ENV = "ELASTIC_HANG"  # "FLOOR_S,MULTIPLE", "on" (60,10) or "off" (the default)
+DEFAULT_RATIO = 2.0
+DEFAULT_STEPS = 5
+DEFAULT_WINDOW_S = 60.0
+DEFAULT_HANG_FLOOR_S = 60.0
+DEFAULT_HANG_MULTIPLE = 10.0
+_OFF = ("", "0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class Options:
+    ratio: float = DEFAULT_RATIO  # X: slower than X times the median
+    steps: int = DEFAULT_STEPS  # K: for K consecutive steps
+    drop: bool = False  # the policy: drop a detected node in place
+    min_nodes: int = 1  # never drop below this many nodes
+    window_s: float = DEFAULT_WINDOW_S  # at most one drop per window
+
+
+@dataclass(frozen=True)
+class View:
+    """One step's figures, per rank (index = rank); a compute time of 0: not measured."""
+
+    step: int
+    compute: tuple[float, ...]
+    wait: tuple[float, ...]
+    nodes: tuple[int, ...]
+    since_drop: tuple[float, ...] = ()  # per rank: seconds since the last drop it knows; 0: none
+
+
+@dataclass(frozen=True)
+class State:
+    """What the rule keeps between steps."""
+
+    streaks: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
+    last_drop: float | None = None  # when (the caller's clock) a node was last dropped
+
+
+@dataclass(frozen=True)
+class Slow:
+    """A node slower than X times the median for ``steps`` consecutive steps."""
+
+    node: int
+    ranks: tuple[int, ...]
+    ratio: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    ratios: tuple[float, ...]  # per rank (empty when the step was not measured)
+    detected: tuple[Slow, ...]  # nodes that crossed the threshold at this step
+    drop: Slow | None  # the node to drop now (the policy), or None
+    reason: str
+    state: State
+
+
+def ratios(times: tuple[float, ...]) -> tuple[float, ...]:
+    """Each time over the median of ``times`` (1.0 each when the median is 0)."""
+    median = statistics.median(times) if times else 0.0
+    return tuple(t / median if median > 0 else 1.0 for t in times)
+
+
+def node_times(view: View) -> dict[int, tuple[float, tuple[int, ...]]]:
+    """Each node's slowest compute time and its ranks."""
+    ranks: dict[int, list[int]] = {}
+    for rank, node in enumerate(view.nodes):
+        ranks.setdefault(node, []).append(rank)
+    return {n: (max(view.compute[r] for r in rs), tuple(rs)) for n, rs in ranks.items()}
+
+
+def decide(view: View, state: State, now: float, options: Options) -> Decision:
+    """The slow nodes at ``view``'s step, and whether one is dropped now (see the module)."""
+    if not view.compute or min(view.compute) <= 0:
+        reason = "not measured at this step (the first one, or a re-form): counts start anew"
+        return Decision((), (), None, reason, State(MappingProxyType({}), state.last_drop))
+    per_rank = ratios(view.compute)
+    nodes = node_times(view)
+    if len(nodes) < MIN_NODES_TO_NAME:
+        reason = (
+            f"{len(nodes)} node(s): the median of fewer than {MIN_NODES_TO_NAME} cannot say "
+            "which one is slow"
+        )
+        return Decision(per_rank, (), None, reason, State(MappingProxyType({}), state.last_drop))
+    order = sorted(nodes)
+    node_ratio = dict(zip(order, ratios(tuple(nodes[n][0] for n in order)), strict=True))
+    streaks = {
+        n: state.streaks.get(n, 0) + 1 if node_ratio[n] > options.ratio else 0 for n in order
+    }
+    slow = [
+        Slow(n, nodes[n][1], round(node_ratio[n], 3), streaks[n])
+        for n in order
+        if streaks[n] >= options.steps
+    ]
+    detected = tuple(s for s in slow if s.steps == options.steps)
+    kept = State(MappingProxyType(streaks), state.last_drop)
+    if not slow:
+        return Decision(per_rank, (), None, f"no node above {options.ratio:g}x the median", kept)
+    worst = max(slow, key=lambda s: s.ratio)
+    what = f"node {worst.node} at {worst.ratio:g}x the median for {worst.steps} steps"
+    if not options.drop:
+        return Decision(per_rank, detected, None, f"{what}; the policy is off", kept)
+    if len(nodes) - 1 < options.min_nodes:
+        reason = f"{what}; dropping it would leave fewer than {options.min_nodes} nodes"
+        return Decision(per_rank, detected, None, reason, kept)
+    age = last_drop_age(view, state, now)
+    if age is not None and age < options.window_s:
+        reason = f"{what}; a node was dropped {age:.1f} s ago (one per window)"
+        return Decision(per_rank, detected, None, reason, kept)
+    dropped = State(MappingProxyType({}), now)
+    return Decision(per_rank, detected, worst, f"{what}: it is dropped", dropped)
+
+
+def last_drop_age(view: View, state: State, now: float) -> float | None:
+    """Seconds since the last drop: the youngest age a rank reports in ``view`` (the same on
+    every rank), else this rank's own record (None: no drop known)."""
+    reported = [a for a in view.since_drop if a > 0]
+    if reported:
+        return min(reported)
+    return None if state.last_drop is None else now - state.last_drop
+
+
+def hang_bound(recent_steps_s: tuple[float, ...], floor_s: float, multiple: float) -> float:
+    """Seconds a step may run before it counts as stuck: ``multiple`` times the median of
+    the recent steps, at least ``floor_s``."""
+    typical = statistics.median(recent_steps_s) if recent_steps_s else 0.0
+    return max(floor_s, multiple * typical)
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
+    """``$ELASTIC_STRAGGLER``: unset or ``off``, detection only (X and K at their
+    defaults); ``X,K``, the policy drops a node slower than X times the median for K
+    consecutive steps. ``$ELASTIC_STRAGGLER_MIN_NODES``: never below this many nodes.
+
+    Raises:
+        ConfigError: a value that is not of that form.
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(ENV, "").strip().lower()
+    min_nodes = _number(environ.get(MIN_NODES_ENV, "1"), MIN_NODES_ENV, int)
+    if raw in _OFF:
+        return Options(min_nodes=int(min_nodes))
+    parts = raw.split(",")
+    if len(parts) != 2:
+        raise ConfigError(
+            f"${ENV}={raw!r} is not 'X,K' (e.g. '2,5': drop a node slower than 2x the median "
+            "for 5 consecutive steps) or 'off'."
+        )
+    ratio, steps = _number(parts[0], ENV, float), _number(parts[1], ENV, int)
+    if ratio <= 1 or steps < 1:
+        raise ConfigError(f"${ENV}={raw!r} needs X > 1 and K >= 1.")
+    return Options(float(ratio), int(steps), True, int(min_nodes))
+
+
+def hang_from_env(environ: Mapping[str, str] | None = None) -> tuple[float, float] | None:
+    """``$ELASTIC_HANG``: ``FLOOR_S,MULTIPLE``, ``on`` (60,10), or unset/``off`` (None).
+
+    Off by default: a rank that spends longer than the bound between two steps without a
+    collective on purpose (an evaluation pass inside the loop, a save of the user's own)
+    cannot be told apart from a stuck one by the rank itself, and every rank doing it
+    would exit.
+
+    Raises:
+        ConfigError: a value that is not of that form.
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get(HANG_ENV)
+    if raw is None or raw.strip().lower() in _OFF:
+        return None
+    if raw.strip().lower() == "on":
+        return DEFAULT_HANG_FLOOR_S, DEFAULT_HANG_MULTIPLE
+    parts = raw.split(",")
+    if len(parts) != 2:
+        raise ConfigError(f"${HANG_ENV}={raw!r} is not 'FLOOR_S,MULTIPLE' (e.g. '60,10') or 'off'.")
+    floor, multiple = _number(parts[0], HANG_ENV, float), _number(parts[1], HANG_ENV, float)
+    if floor <= 0 or multiple <= 0:
+        raise ConfigError(f"${HANG_ENV}={raw!r} needs a positive floor and multiple.")
+    return float(floor), float(multiple)
+
+
+def _number(text: str, name: str, kind: type[int] | type[float]) -> float:
+    try:
+        return kind(text.strip())
+    except ValueError as exc:
+        raise ConfigError(f"${name}: {text!r} is not a number.") from exc
+
+
+__all__ = [
+    "SLOTS",
+    "Decision",
+    "Options",
+    "Slow",
+    "State",
+    "View",
+    "decide",
+    "hang_bound",
+    "hang_from_env",
+    "last_drop_age",
+    "options_from_env",
+    "ratios",
+]
