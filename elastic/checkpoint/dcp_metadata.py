@@ -6,7 +6,13 @@ a DCP save of torch 2.14 pickles (:data:`ALLOWED`: the metadata dataclasses, the
 filesystem writer's storage record, ``torch.Size``, dtypes and layouts by name, a POSIX
 path for the checkpoint id), with and
 without a job secret: a member that holds the secret and signs a hostile file still cannot
-run code. Then it checks the structure: every field of the type it must be, every chunk
+run code. Nor can it change a class or a shared object: the opcodes that change an object
+in place act only on what the pickle built itself: BUILD sets the fields of a fresh
+metadata dataclass instance (by its field names, or ``TensorProperties``' own
+``__setstate__``) and nothing else (not a class, whose slot state would be ``setattr`` on
+it, not an enum member or a layout), APPEND(S) only on lists and SETITEM(S) only on dicts
+(issue 38: a signed file that set ``Metadata.__reduce_ex__`` broke every later save). Then
+it checks the structure: every field of the type it must be, every chunk
 inside its tensor, and every item's storage record (where its bytes lie) naming a plain
 file in the checkpoint's own directory (no ``/``, no ``..``, no other protocol); given the
 commit marker's files, one of them, with the bytes inside the file's recorded size.
@@ -15,12 +21,13 @@ Anything else is one :class:`~elastic.errors.CheckpointError` before a byte is r
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pathlib
 import pickle
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -65,8 +72,24 @@ ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that finds only :data:`ALLOWED` names."""
+# The classes whose fresh instances BUILD may fill in -> the names it may set (their fields).
+_BUILT: dict[type, frozenset[str]] = {
+    c: frozenset(f.name for f in dataclasses.fields(c))
+    for c in _CLASSES
+    if isinstance(c, type) and dataclasses.is_dataclass(c)
+}
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """An unpickler that finds only :data:`ALLOWED` names and changes only what it built.
+
+    Python's pure unpickler (``.metadata`` is small), its opcodes that change an object in
+    place replaced: the C unpickler's BUILD would ``setattr`` on any object, a class too.
+    """
+
+    _base: ClassVar[dict[int, Any]] = pickle._Unpickler.dispatch
+    stack: list[Any]
+    metastack: list[list[Any]]
 
     def find_class(self, module: str, name: str) -> Any:
         found = ALLOWED.get((module, name))
@@ -76,6 +99,66 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("DCP metadata holds no persistent references")
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        cls = type(inst)
+        fields = _BUILT.get(cls)
+        if fields is None:
+            raise pickle.UnpicklingError(
+                f"it sets the state of {_shown(inst)} (a {cls.__name__}), which DCP never does"
+            )
+        own = cls.__dict__.get("__setstate__")  # TensorProperties: a tuple of its fields
+        if own is not None and type(state) is tuple:
+            own(inst, state)
+            return
+        if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
+            raise pickle.UnpicklingError(
+                f"it sets {_shown(state)} on a {cls.__name__}, not the fields of one"
+            )
+        inst.__dict__.update(state)
+
+    def load_append(self) -> None:
+        self._container(self.stack[-2], list, "APPEND")
+        self._base[pickle.APPEND[0]](self)
+
+    def load_appends(self) -> None:
+        self._container(self._below_mark(), list, "APPENDS")
+        self._base[pickle.APPENDS[0]](self)
+
+    def load_setitem(self) -> None:
+        self._container(self.stack[-3], dict, "SETITEM")
+        self._base[pickle.SETITEM[0]](self)
+
+    def load_setitems(self) -> None:
+        self._container(self._below_mark(), dict, "SETITEMS")
+        self._base[pickle.SETITEMS[0]](self)
+
+    def load_additems(self) -> None:
+        self._container(self._below_mark(), set, "ADDITEMS")
+        self._base[pickle.ADDITEMS[0]](self)
+
+    def _below_mark(self) -> Any:
+        """What an opcode that ends at the last MARK adds to (None when there is none)."""
+        return self.metastack[-1][-1] if self.metastack and self.metastack[-1] else None
+
+    @staticmethod
+    def _container(target: Any, kind: type, opcode: str) -> None:
+        if type(target) is not kind:
+            raise pickle.UnpicklingError(
+                f"its {opcode} adds to a {type(target).__name__}, not a {kind.__name__}"
+            )
+
+    dispatch: ClassVar[dict[int, Any]] = {
+        **_base,
+        pickle.BUILD[0]: load_build,
+        pickle.APPEND[0]: load_append,
+        pickle.APPENDS[0]: load_appends,
+        pickle.SETITEM[0]: load_setitem,
+        pickle.SETITEMS[0]: load_setitems,
+        pickle.ADDITEMS[0]: load_additems,
+    }
 
 
 def read_metadata(
@@ -95,13 +178,14 @@ def read_metadata(
     except Exception as exc:  # any unpickling error, or an allowed constructor refusing
         raise CheckpointError(
             f"Refusing the checkpoint metadata {where}: {type(exc).__name__}: "
-            f"{str(exc)[:200]}; it is not what a DCP save writes."
+            f"{str(exc)[:200]}; it is not what a DCP save writes, so nothing of it was "
+            "used: restore the step's files from a copy or delete the step."
         ) from exc
     problem = structure_problem(metadata, files)
     if problem:
         raise CheckpointError(
             f"Refusing the checkpoint metadata {where}: {problem}; it is not what a DCP save "
-            "writes, nothing was read."
+            "writes, nothing was read: restore the step's files from a copy or delete the step."
         )
     return metadata
 

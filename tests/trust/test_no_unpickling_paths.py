@@ -39,7 +39,8 @@ OBJECT_COLLECTIVES = frozenset(
     }
 )
 PICKLE_MODULES = frozenset({"pickle", "_pickle", "cPickle", "cloudpickle", "dill"})
-PICKLE_READERS = frozenset({"load", "loads", "Unpickler"})
+# and the pure-Python unpickler (pickle._Unpickler, _load, _loads)
+PICKLE_READERS = frozenset({"load", "loads", "Unpickler", "_load", "_loads", "_Unpickler"})
 MARSHAL_READERS = frozenset({"load", "loads"})
 TORCH_LOADS = frozenset({"torch.load", "torch.serialization.load"})
 # torch's DCP drivers: between ranks (unless no_dist=True) they pickle (utils._DistWrapper).
@@ -63,12 +64,14 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     (
         "elastic/checkpoint/dcp_metadata.py",
         "_MetadataUnpickler",
-        "pickle.Unpickler",
+        "pickle._Unpickler",
     ): "DCP's .metadata, read only after metadata_problem() matched its size, CRC-32 and "
     "SHA-256 against the commit marker that this rank read and verified itself (HMAC-signed "
     "with the job secret, vouched for by the etcd commit record), and then through "
     "find_class restricted to DCP's metadata classes, torch.Size, dtypes and layouts "
-    "(dcp_metadata.ALLOWED): a member that holds the secret still runs no code",
+    "(dcp_metadata.ALLOWED), by Python's pure unpickler whose BUILD, APPEND(S), SETITEM(S) "
+    "and ADDITEMS act only on the fresh dataclasses, lists, dicts and sets it built: a member "
+    "that holds the secret still runs no code and changes no class (test_metadata_poison.py)",
     (
         "elastic_tools/status.py",
         "_StateUnpickler",
@@ -254,6 +257,7 @@ PLANTED = [
     ("import pickle as p\np.load(open('x', 'rb'))\n", "pickle.load"),
     ("from pickle import loads\nloads(b)\n", "pickle.loads"),
     ("import _pickle\nclass U(_pickle.Unpickler):\n    pass\n", "pickle.Unpickler"),
+    ("import pickle\nclass U(pickle._Unpickler):\n    pass\n", "pickle._Unpickler"),
     ("import marshal\nmarshal.loads(b)\n", "marshal.loads"),
     ("import torch\ntorch.load(f)\n", "torch.load"),
     ("import torch\ntorch.load(f, weights_only=False)\n", "torch.load"),
