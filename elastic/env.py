@@ -34,9 +34,24 @@ SNAPSHOT_BACKGROUND = "ELASTIC_SNAPSHOT_BACKGROUND"  # 1/0: copy snapshots in a 
 CHANNEL = "ELASTIC_CHANNEL"  # path prefix of the agent <-> worker files for in-place re-forms
 IN_PLACE = "ELASTIC_IN_PLACE"  # 0 = never re-form a running worker in place (see elastic.worker)
 BOUNDED_STORE = "ELASTIC_BOUNDED_STORE"  # 0 = torch's own server hosts the round's store
+JOB_DIR = "ELASTIC_JOB_DIR"  # a worker's per-job directory, stable across restarts (agent.jobdir)
+JOB_ROOT = "ELASTIC_JOB_ROOT"  # where the agent makes <run-id>/ for ELASTIC_JOB_DIR
 TUTORIAL_CHECK = "ELASTIC_TUTORIAL_CHECK"  # 0 = workers may mp.spawn (agent.tutorial_check)
+STRAGGLER_MIN_NODES = "ELASTIC_STRAGGLER_MIN_NODES"  # the agent's --nnodes MIN for the policy
+PROBATION_PROBE = "ELASTIC_PROBATION_PROBE"  # a health-check command (else built in)
+# Every option of elastic.node.options is ELASTIC_<KEY> (option(key)); the ones above are
+# some of them. Packed spellings of earlier releases, read with a deprecation warning:
+STRAGGLER = "ELASTIC_STRAGGLER"  # "X,K" -> ELASTIC_STRAGGLER_DROP/_RATIO/_STEPS
+HANG = "ELASTIC_HANG"  # "on" or "FLOOR_S,MULTIPLE" -> ELASTIC_HANG_ENABLED/_FLOOR_S/_MULTIPLE
+PROBATION = "ELASTIC_PROBATION"  # "off" or "FIRST_S,CAP_S,MAX_FAILURES" -> ELASTIC_PROBATION_*
 
-_OFF = ("0", "false", "no", "off")
+OFF = ("0", "false", "no", "off")
+ON = ("1", "true", "yes", "on")
+
+
+def option(key: str) -> str:
+    """The variable of option ``key`` (``straggler.ratio`` -> ``ELASTIC_STRAGGLER_RATIO``)."""
+    return CONFIG_PREFIX + key.replace(".", "_").upper()
 
 
 def flag(name: str, default: bool = True) -> bool:
@@ -45,4 +60,4 @@ def flag(name: str, default: bool = True) -> bool:
     raw = os.environ.get(name)
     if raw is None:
         return default
-    return raw.strip().lower() not in _OFF
+    return raw.strip().lower() not in OFF

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from elastic import env
+from elastic.node import options as node_options
 from elastic.node import reform
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,15 @@ SCRIPT_PRELOAD = [_INIT, "torch"]
 # at run time, not by an import; the worker still gets their values of the moment. (The
 # user's environment cannot change after the agent started: what changes is the agent's own
 # doing.)
-_RUNTIME_ONLY = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR", "ELASTIC_STRAGGLER_MIN_NODES")
+# The node's options (elastic.node.options) too: the agent writes them once its flags are parsed.
+_RUNTIME_ONLY = (
+    "TORCHELASTIC_",
+    "TORCHINDUCTOR_CACHE_DIR",
+    *node_options.ENV_NAMES,
+    env.STRAGGLER,
+    env.HANG,
+    env.PROBATION,
+)
 
 _started = False
 _server_env: dict[str, str] = {}  # the agent's environment when the server started

@@ -8,6 +8,11 @@ and a non-zero exit, not a traceback.
 
 ``--metrics-port N`` (or ``$ELASTIC_METRICS_PORT``; 0: a free port, printed) serves the
 agent's Prometheus metrics on ``http://<host>:N/metrics`` (:mod:`elastic.agent.metrics`).
+
+Every option of :mod:`elastic.node.options` is a flag (``--straggler-ratio 2``), a
+``--rdzv-conf`` key (``straggler.ratio=2``) and a variable (``$ELASTIC_STRAGGLER_RATIO``);
+flags win over ``--rdzv-conf``, which wins over the environment. The agent hands the
+result to its workers as those variables.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastic import env
-from elastic.node import reform
+from elastic.node import options, reform
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +76,12 @@ def _main(argv: list[str]) -> int:
 
     install()
 
-    parser = get_args_parser()
-    parser.prog = "elastic-agent"
-    parser.set_defaults(rdzv_backend="etcd-v3")
-    parser.add_argument(
-        *_METRICS_OPTIONS,
-        type=int,
-        default=None,
-        help="Serve Prometheus metrics on this port (0: any free port, printed); "
-        f"default ${env.METRICS_PORT}, else off.",
-    )
+    parser = build_parser(get_args_parser())
     flags = {o for a in parser._actions if a.nargs == 0 for o in a.option_strings}
     args = parser.parse_args(translate_argv(argv, flags))
     try:
         port = metrics_port(args.metrics_port)
+        given = given_options(args)
         _preflight_worker_config(args)
     except ValueError as exc:  # a ConfigError too
         return _fail(str(exc), reform.USAGE)
@@ -93,7 +90,11 @@ def _main(argv: list[str]) -> int:
     except (AssertionError, ValueError) as exc:  # torchrun's checks of --nnodes and friends
         return _fail(f"{exc}; check the command-line options.", reform.USAGE)
     # the straggler policy never drops the job below --nnodes MIN (elastic.worker.straggler)
-    os.environ.setdefault("ELASTIC_STRAGGLER_MIN_NODES", str(config.min_nodes))
+    given.setdefault("straggler.min_nodes", str(config.min_nodes))
+    try:
+        hand_to_workers(options.build(given))
+    except ConfigError as exc:
+        return _fail(str(exc), reform.USAGE)
     entrypoint, cmd_args = _warm_entrypoint(args, config, cmd, cmd_args)
     exporter = None if port is None else _start_metrics(port, config)
     try:
@@ -103,7 +104,10 @@ def _main(argv: list[str]) -> int:
     except (ElasticError, RendezvousError) as exc:
         return _fail(_describe(exc), reform.FAILED)
     except ChildFailedError as exc:
-        return _fail(f"a worker failed: {exc.get_first_failure()[1].message}", reform.FAILED)
+        from elastic.agent import failure
+
+        line = failure.describe(failure.node_label(config.local_addr), exc.failures)
+        return _fail(line, reform.FAILED)
     finally:
         if exporter is not None:
             exporter.close()
@@ -111,6 +115,104 @@ def _main(argv: list[str]) -> int:
 
 
 _METRICS_OPTIONS = ("--metrics-port", "--metrics_port")
+_ETCD_DEFAULT = "localhost:2379"
+_OWN_SPELLINGS = (
+    (
+        "--etcd",
+        "ENDPOINTS",
+        f"etcd endpoint(s) host:port[,host:port] (--rdzv-endpoint); default: {_ETCD_DEFAULT}",
+    ),
+    ("--run-id", "ID", "the job's id, the same on every node (--rdzv-id); default: none"),
+    (
+        "--node-addr",
+        "ADDR",
+        "this node's address other nodes reach (--local-addr); default: this host's name",
+    ),
+    (
+        "--config",
+        "FILE",
+        "run our CNN worker with this YAML config (no script given); default: none",
+    ),
+)
+
+
+def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """torchrun's ``parser`` as ``elastic-agent``'s: the ``etcd-v3`` backend, our spellings
+    and every option of :mod:`elastic.node.options`, each with its default in ``--help``."""
+    parser.prog = "elastic-agent"
+    parser.set_defaults(rdzv_backend="etcd-v3")
+    own = parser.add_argument_group(
+        "elastic-agent", "Our spellings of torchrun's options (both work)."
+    )
+    for name, metavar, text in _OWN_SPELLINGS:  # translate_argv rewrites them before parsing
+        own.add_argument(name, metavar=metavar, dest=f"own_{name[2:]}", help=text)
+    group = parser.add_argument_group(
+        "options",
+        "Each is also --rdzv-conf KEY=VALUE and $ELASTIC_<KEY>; flags win, then "
+        "--rdzv-conf, then the environment. See docs/operations.md#options.",
+    )
+    for option in options.OPTIONS:
+        names = list(_METRICS_OPTIONS) if option.key == "metrics_port" else [option.flag]
+        shown = option.default if option.default not in (None, "") else "unset"
+        if option.on_off:
+            shown = "on" if option.default else "off"
+        text = f"{option.description} (key {option.key}; ${option.env}; default: {shown})"
+        dest = "metrics_port" if option.key == "metrics_port" else _dest(option.key)
+        if option.on_off:
+            group.add_argument(
+                *names, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+        else:
+            group.add_argument(*names, dest=dest, metavar="VALUE", default=None, help=text)
+    return parser
+
+
+def _dest(key: str) -> str:
+    return "option_" + key.replace(".", "__")
+
+
+def given_options(args: argparse.Namespace) -> dict[str, str]:
+    """The options set in the environment, ``--rdzv-conf`` and the flags (later wins), by
+    key; takes ours out of ``args.rdzv_conf`` (torch's parser would refuse them).
+
+    Raises:
+        ConfigError: a value an option does not accept.
+    """
+    ours, rest = split_rdzv_conf(getattr(args, "rdzv_conf", "") or "")
+    args.rdzv_conf = rest
+    flags = {
+        o.key: getattr(args, _dest(o.key))
+        for o in options.OPTIONS
+        if o.key != "metrics_port" and getattr(args, _dest(o.key), None) is not None
+    }
+    if args.metrics_port is not None:
+        flags["metrics_port"] = args.metrics_port
+    given = {**options.from_env(), **ours, **flags}
+    options.build(given)  # one sentence for a bad value, before anything starts
+    return given
+
+
+def split_rdzv_conf(conf: str) -> tuple[dict[str, str], str]:
+    """``--rdzv-conf``'s node options (``straggler.ratio=2``) and the rest (the rendezvous's)."""
+    ours: dict[str, str] = {}
+    rest: list[str] = []
+    for item in (p.strip() for p in conf.split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() in options.KEYS:
+            ours[key.strip()] = value.strip()
+        elif item:
+            rest.append(item)
+    return ours, ",".join(rest)
+
+
+def hand_to_workers(chosen: options.NodeOptions) -> None:
+    """The options into this process's environment, where its workers (and the fork
+    server's) read them; the old packed spellings out (said once, as the agent read them)."""
+    for old in (env.STRAGGLER, env.HANG, env.PROBATION):
+        os.environ.pop(old, None)
+    os.environ.update(options.to_env(chosen))
+
+
 # torch's agent handles these once its workers start (SIGQUIT aside); ours from the start
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _TORCH_API = "torch.distributed.elastic.multiprocessing.api"
@@ -279,6 +381,8 @@ def _start_warm_server_early(argv: list[str]) -> None:
     ours = "elastic_tools.training.worker" in argv or any(
         a.partition("=")[0] == "--config" for a in before_script
     )
+    if "--no-warm-start" in before_script or "--no-warm_start" in before_script:
+        return
     if ours and warm.enabled():
         warm.fork_server()
     elif not ours:

@@ -32,6 +32,8 @@ and torch's standard ones: ``join_timeout`` (600), ``last_call_timeout`` (30),
 ``close_timeout`` (30), ``heartbeat_timeout`` (5), ``keep_alive_interval`` (5) and
 ``keep_alive_max_attempt`` (3). ``timeout`` and ``rank`` (set by torch's launcher for
 other backends) are accepted and ignored; anything else is refused with a sentence.
+``elastic-agent`` also takes the node's options here (``straggler.ratio=2``, the keys of
+:mod:`elastic.node.options`) and takes them out before the rendezvous sees the rest.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic import env
 from elastic.etcd.credentials import password_from_env
+from elastic.node import options as node_options
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -173,6 +176,13 @@ class RendezvousOptions:
             )
         merged = {**PROFILES.get(profile, {}), **conf}
         known = {f.name: f for f in fields(cls)}
+        node = sorted(set(merged) & node_options.KEYS)
+        if node:
+            raise ConfigError(
+                f"The node option(s) {', '.join(node)} in --rdzv-conf are read by elastic-agent "
+                "only; start the node with elastic-agent, or set "
+                f"{', '.join('$' + env.option(k) for k in node)}."
+            )
         unknown = sorted(set(merged) - set(known) - {"password_file"})
         if unknown:
             raise ConfigError(

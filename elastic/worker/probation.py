@@ -28,23 +28,22 @@ import contextlib
 import enum
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from elastic.errors import ConfigError
+from elastic import env
 from elastic.node import nodelocal
+from elastic.node import options as node_options
 
-ENV = "ELASTIC_PROBATION"  # "off", "on" (the defaults) or "FIRST_S,CAP_S,MAX_FAILURES"
-PROBE_ENV = "ELASTIC_PROBATION_PROBE"  # a command to run as the health check (else built in)
+ENV = env.PROBATION  # the old packed spelling (elastic.node.options)
+PROBE_ENV = env.PROBATION_PROBE  # option probation.probe: a health-check command
 REQUEST = "probation.json"  # in the agent's node-local directory
 DEFAULT_FIRST_S = 5.0
 DEFAULT_CAP_S = 60.0
 DEFAULT_MAX_FAILURES = 5
 DEFAULT_PASS_RATIO = 1.5
 DEFAULT_MAX_PROBATIONS = 3
-_OFF = ("0", "off", "false", "no")
 
 
 class Action(enum.Enum):
@@ -140,30 +139,15 @@ def decide(history: History, measurement: float | None, now: float, options: Opt
 
 
 def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
-    """``$ELASTIC_PROBATION``: unset or ``on``, the defaults; ``off``, a dropped node leaves
-    the job for good; ``FIRST_S,CAP_S,MAX_FAILURES`` (e.g. ``5,60,5``).
+    """The ``probation`` options (:mod:`elastic.node.options`: ``$ELASTIC_PROBATION_ENABLED``,
+    ``_FIRST_S``, ``_CAP_S``, ``_MAX_FAILURES``; the old ``$ELASTIC_PROBATION=off`` or
+    ``FIRST_S,CAP_S,MAX_FAILURES`` with a warning).
 
     Raises:
-        ConfigError: a value that is not of that form.
+        ConfigError: a value the option does not accept.
     """
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENV, "").strip().lower()
-    if raw in ("", "on", "1", "true", "yes"):
-        return Options()
-    if raw in _OFF:
-        return Options(enabled=False)
-    parts = raw.split(",")
-    try:
-        first, cap, failures = float(parts[0]), float(parts[1]), int(parts[2])
-    except (IndexError, ValueError) as exc:
-        raise ConfigError(
-            f"${ENV}={raw!r} is not 'FIRST_S,CAP_S,MAX_FAILURES' (e.g. '5,60,5': the first "
-            "check 5 s after the drop, back-offs doubling up to 60 s, 5 failed checks at most), "
-            "'on' or 'off'."
-        ) from exc
-    if len(parts) != 3 or first <= 0 or cap < first or failures < 1:
-        raise ConfigError(f"${ENV}={raw!r} needs 0 < FIRST_S <= CAP_S and MAX_FAILURES >= 1.")
-    return Options(first_s=first, cap_s=cap, max_failures=failures)
+    given = node_options.load(environ).probation
+    return Options(given.enabled, given.first_s, given.cap_s, given.max_failures)
 
 
 # -- the request: from the dropped node's lowest rank to its agent ---------------------------

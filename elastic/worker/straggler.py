@@ -3,7 +3,7 @@
 Each rank measures, every step, its *compute* time (the step's wall time less the time its
 collectives were in flight) and its *wait* (that time in flight), and writes them, with
 its node's id, into its own slots of the step's agreement vector
-(:class:`elastic.worker.boundary.Layout`, :data:`SLOTS`): the one all-reduce the step
+(:class:`elastic.worker.boundary.Layout`, :data:`SLOTS`): the one all-gather the step
 already does hands every rank every rank's figures (no collective, no etcd write of its
 own). Every rank then applies :func:`decide` to the same figures and gets the same answer.
 
@@ -34,27 +34,33 @@ counts as stuck (:mod:`elastic.worker.hang`).
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from elastic.errors import ConfigError
+from elastic import env
+from elastic.node import options as node_options
 
 # each rank's slots in the agreement vector; since_drop_s: seconds since the last drop this
 # rank knows of (0: none), so that a joiner keeps the window as the others do
 SLOTS = ("compute_s", "wait_s", "node", "since_drop_s")
+MAX_SECONDS = 1e7  # about 115 days: a figure beyond it is refused (elastic.worker.boundary)
+LIMITS = {
+    "compute_s": (0.0, MAX_SECONDS),
+    "wait_s": (0.0, MAX_SECONDS),
+    "node": (0.0, 2.0**32 - 1),
+    "since_drop_s": (0.0, MAX_SECONDS),
+}
 MIN_NODES_TO_NAME = 3
-ENV = "ELASTIC_STRAGGLER"  # "X,K" turns the policy on; unset/"off": detection only
-MIN_NODES_ENV = "ELASTIC_STRAGGLER_MIN_NODES"  # never drop below this many nodes
-HANG_ENV = "ELASTIC_HANG"  # "FLOOR_S,MULTIPLE", "on" (60,10) or "off" (the default)
+ENV = env.STRAGGLER  # the old packed spelling (elastic.node.options)
+MIN_NODES_ENV = env.STRAGGLER_MIN_NODES  # never drop below this many nodes
+HANG_ENV = env.HANG  # the old packed spelling (elastic.node.options)
 DEFAULT_RATIO = 2.0
 DEFAULT_STEPS = 5
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_HANG_FLOOR_S = 60.0
 DEFAULT_HANG_MULTIPLE = 10.0
-_OFF = ("", "0", "off", "false", "no")
 
 
 @dataclass(frozen=True)
@@ -177,32 +183,25 @@ def hang_bound(recent_steps_s: tuple[float, ...], floor_s: float, multiple: floa
 
 
 def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
-    """``$ELASTIC_STRAGGLER``: unset or ``off``, detection only (X and K at their
-    defaults); ``X,K``, the policy drops a node slower than X times the median for K
-    consecutive steps. ``$ELASTIC_STRAGGLER_MIN_NODES``: never below this many nodes.
+    """The ``straggler`` options (:mod:`elastic.node.options`: ``$ELASTIC_STRAGGLER_DROP``,
+    ``_RATIO``, ``_STEPS``, ``_MIN_NODES``, ``_WINDOW_S``; the old ``$ELASTIC_STRAGGLER=X,K``
+    with a warning). The policy drops a node slower than ``ratio`` x the median for
+    ``steps`` consecutive steps when ``drop`` is on; else detection only.
 
     Raises:
-        ConfigError: a value that is not of that form.
+        ConfigError: a value the option does not accept.
     """
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENV, "").strip().lower()
-    min_nodes = _number(environ.get(MIN_NODES_ENV, "1"), MIN_NODES_ENV, int)
-    if raw in _OFF:
-        return Options(min_nodes=int(min_nodes))
-    parts = raw.split(",")
-    if len(parts) != 2:
-        raise ConfigError(
-            f"${ENV}={raw!r} is not 'X,K' (e.g. '2,5': drop a node slower than 2x the median "
-            "for 5 consecutive steps) or 'off'."
-        )
-    ratio, steps = _number(parts[0], ENV, float), _number(parts[1], ENV, int)
-    if ratio <= 1 or steps < 1:
-        raise ConfigError(f"${ENV}={raw!r} needs X > 1 and K >= 1.")
-    return Options(float(ratio), int(steps), True, int(min_nodes))
+    return from_model(node_options.load(environ).straggler)
+
+
+def from_model(given: node_options.StragglerOptions) -> Options:
+    return Options(given.ratio, given.steps, given.drop, given.min_nodes, given.window_s)
 
 
 def hang_from_env(environ: Mapping[str, str] | None = None) -> tuple[float, float] | None:
-    """``$ELASTIC_HANG``: ``FLOOR_S,MULTIPLE``, ``on`` (60,10), or unset/``off`` (None).
+    """The ``hang`` options (``$ELASTIC_HANG_ENABLED``, ``_FLOOR_S``, ``_MULTIPLE``; the old
+    ``$ELASTIC_HANG=on`` or ``FLOOR_S,MULTIPLE`` with a warning): (floor, multiple), or None
+    when off.
 
     Off by default: a rank that spends longer than the bound between two steps without a
     collective on purpose (an evaluation pass inside the loop, a save of the user's own)
@@ -210,31 +209,17 @@ def hang_from_env(environ: Mapping[str, str] | None = None) -> tuple[float, floa
     would exit.
 
     Raises:
-        ConfigError: a value that is not of that form.
+        ConfigError: a value the option does not accept.
     """
-    environ = os.environ if environ is None else environ
-    raw = environ.get(HANG_ENV)
-    if raw is None or raw.strip().lower() in _OFF:
-        return None
-    if raw.strip().lower() == "on":
-        return DEFAULT_HANG_FLOOR_S, DEFAULT_HANG_MULTIPLE
-    parts = raw.split(",")
-    if len(parts) != 2:
-        raise ConfigError(f"${HANG_ENV}={raw!r} is not 'FLOOR_S,MULTIPLE' (e.g. '60,10') or 'off'.")
-    floor, multiple = _number(parts[0], HANG_ENV, float), _number(parts[1], HANG_ENV, float)
-    if floor <= 0 or multiple <= 0:
-        raise ConfigError(f"${HANG_ENV}={raw!r} needs a positive floor and multiple.")
-    return float(floor), float(multiple)
+    return hang_limits(node_options.load(environ).hang)
 
 
-def _number(text: str, name: str, kind: type[int] | type[float]) -> float:
-    try:
-        return kind(text.strip())
-    except ValueError as exc:
-        raise ConfigError(f"${name}: {text!r} is not a number.") from exc
+def hang_limits(given: node_options.HangOptions) -> tuple[float, float] | None:
+    return (given.floor_s, given.multiple) if given.enabled else None
 
 
 __all__ = [
+    "LIMITS",
     "SLOTS",
     "Decision",
     "Options",
