@@ -56,6 +56,9 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "ckpt.load": "a rank loaded a checkpoint: step, url, seconds, world_size",
         "ckpt.missing": "rank 0 resumed from an older step than etcd's commit records name "
         "(deleted or unreadable): step (the newest recorded), steps, loaded, url",
+        "ckpt.older": "rank 0 resumed from an older step than the newest step directory in "
+        "storage, which is not complete (its files gone, torn or forged; no commit record "
+        "names a newer step): step (the newest), steps, loaded, reason, url",
         "ckpt.init": "a job with no state of its own started from a foreign (plain DCP) "
         "checkpoint: url, seconds, rank, missing (what it did not hold)",
         "train.step": "rank 0 completed a step: step, loss, lr, samples_per_s, world_size, epoch "

@@ -356,13 +356,14 @@ def complete_steps(
     secret: bytes | None = None,
     records: Mapping[int, Mapping[str, Any]] | None = None,
     skip: Callable[[StepInfo], bool] | None = None,
+    skipped: list[StepInfo] | None = None,
 ) -> Iterator[StepInfo]:
     """Yield the complete steps of a run, best first, each inspected only when needed.
 
     With commit ``records`` (step -> record from etcd): steps that have a record
     come first, newest first, then the others; a step whose marker does not match
     its record (a stale or foreign writer's) is skipped. Skipped steps are logged
-    once each (``warn``).
+    once each (``warn``) and appended to ``skipped``.
     """
     steps = list_steps(url, run_id)
     if records:
@@ -380,6 +381,8 @@ def complete_steps(
         if not info.complete:
             if warn:
                 logger.warning("Skipping checkpoint %s: %s.", info.url, info.reason)
+            if skipped is not None:
+                skipped.append(info)
             continue
         if skip is not None and skip(info):
             continue

@@ -619,6 +619,7 @@ class _Candidates:
         self._rescanned = False
         self._steps: Iterator[StepInfo] | None = None
         self.records: dict[int, dict[str, Any]] = {}
+        self.skipped: list[StepInfo] = []  # step directories found but not complete
         self.current: StepInfo | None = None
 
     def next(self) -> dict[str, Any] | str | None:
@@ -640,6 +641,7 @@ class _Candidates:
         this job resumes from, ``None``: none): deleted from the storage, or unreadable."""
         newer = sorted(s for s in self.records if loaded is None or s > loaded)
         if not newer:
+            self._say_skipped(loaded)
             return
         m = self._manager
         resumed = f"step {loaded}" if loaded is not None else "scratch"
@@ -660,6 +662,37 @@ class _Candidates:
             url=run_url(m.cfg.url, m.run_id),
         )
 
+    def _say_skipped(self, loaded: int | None) -> None:
+        """Without commit records: say so when a newer step directory in storage was not
+        complete (its files gone, torn or forged), naming it and the step taken."""
+        newer = [i for i in self.skipped if loaded is None or i.step > loaded]
+        if not newer:
+            return
+        newest = max(newer, key=lambda i: i.step)
+        m = self._manager
+        taken = (
+            f"from step {loaded}, the newest complete one"
+            if loaded is not None
+            else "from scratch, as no step is complete"
+        )
+        logger.warning(
+            "Step %s is the newest step in the checkpoint storage under %s/%s, but it is not "
+            "complete (%s); this job resumes %s, and redoes the steps since.",
+            newest.step,
+            m.cfg.url,
+            m.run_id,
+            newest.reason,
+            taken,
+        )
+        events.emit(
+            "ckpt.older",
+            step=newest.step,
+            steps=sorted(i.step for i in newer),
+            loaded=loaded,
+            reason=newest.reason,
+            url=run_url(m.cfg.url, m.run_id),
+        )
+
     def _next_info(self) -> StepInfo | None:
         while True:
             if self._steps is None:
@@ -673,6 +706,7 @@ class _Candidates:
                     secret=m.secret,
                     records=self.records,
                     skip=lambda info: (info.step, info.digest) in self._tried,
+                    skipped=self.skipped,
                 )
             info = next(self._steps, None)
             if info is not None:

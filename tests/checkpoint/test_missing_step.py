@@ -55,3 +55,35 @@ def test_no_warning_when_the_newest_step_loads(
     with caplog.at_level(logging.WARNING):
         assert load_small(small_manager(url, commit_fence=fence))[0] == 2
     assert "was committed, but" not in caplog.text
+
+
+@pytest.mark.parametrize("left", [1, 0], ids=["an-older-step", "none"])
+def test_a_newest_step_whose_files_are_gone_is_named_with_the_step_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, left: int
+) -> None:
+    """No commit records (no fence, or etcd's data lost): step 2's marker is there, its
+    files are not; the resume names both steps in one sentence and one event."""
+    log = tmp_path / "events.jsonl"
+    monkeypatch.setenv(env.EVENT_LOG, str(log))
+    url = str(tmp_path / "ckpt")
+    manager = small_manager(url)
+    for step in (1, 2):
+        outcome = manager.save(step, small_state(float(step)), block=True)
+        assert outcome is not None and outcome.ok, outcome
+    manager.close()
+    run_dir = tmp_path / "ckpt" / RUN
+    for attempt in (run_dir / "step-2").glob("save-*"):
+        shutil.rmtree(attempt)  # the marker stays: step 2 is named, its files are gone
+    if not left:
+        shutil.rmtree(run_dir / "step-1")
+    with caplog.at_level(logging.WARNING):
+        loaded = load_small(small_manager(url))
+    assert (loaded[0] if loaded else None) == (1 if left else None)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step 2 is")]
+    assert len(said) == 1, caplog.text
+    taken = "resumes from step 1, the newest complete one" if left else "resumes from scratch"
+    assert "Step 2 is the newest step in the checkpoint storage" in said[0]
+    assert taken in said[0] and "\n" not in said[0]
+    older = events.read(log, "ckpt.older")
+    assert [(e["step"], e["loaded"]) for e in older] == [(2, 1 if left else None)]
+    assert "missing" in older[0]["reason"] or "not" in older[0]["reason"], older
