@@ -191,3 +191,11 @@ def test_every_config_still_validates() -> None:
         if path.name == "compose.yaml":
             continue
         load_config(str(path), [])
+
+
+def test_the_reference_table_lists_every_option() -> None:
+    text = (REPO / "docs" / "operations.md").read_text()
+    table = text[text.index("## Options") : text.index("## Rendezvous options")]
+    for option in options.OPTIONS:
+        assert f"| `{option.key}` | `{option.flag}" in table, option.key
+        assert f"`{option.env}`" in table, option.env
