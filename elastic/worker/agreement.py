@@ -21,7 +21,7 @@ from elastic.errors import RecoveryError
 from elastic.node import reform
 from elastic.worker.boundary import Action, Layout, Outcome, Vote, decide
 from elastic.worker.hang import HangWatch
-from elastic.worker.straggler import SLOTS
+from elastic.worker.straggler import SLOTS, hang_limits
 from elastic.worker.timing import StepTimes
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ class StepEnd:
         try:
             return self._after_step(final)
         finally:
+            given = getattr(self.run, "options", None)  # Run's hang=..., over $ELASTIC_HANG_*
+            if guard is not None and given is not None:
+                self._hang.limits = hang_limits(given.hang)
             self._hang.resume()
 
     def _store(self) -> tuple[Any, int, int] | None:

@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -43,6 +43,7 @@ from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
 from elastic import env, runid
 from elastic.errors import RecoveryError
+from elastic.node import options as node_options
 from elastic.node import reform
 from elastic.node.procs import die_with_parent
 from elastic.worker import ending
@@ -126,7 +127,12 @@ class Run:
         global_batch_size: int | None = None,
         checkpoint: Any = None,
         init_from: str | None = None,
+        straggler: Mapping[str, Any] | node_options.StragglerOptions | None = None,
+        hang: Mapping[str, Any] | node_options.HangOptions | None = None,
     ) -> None:
+        # The worker's own options (elastic.node.options), over $ELASTIC_STRAGGLER_* and
+        # $ELASTIC_HANG_*: e.g. straggler={"drop": True, "ratio": 2}, hang={"enabled": True}.
+        self.options = node_options.load(straggler=straggler, hang=hang)
         if env.RUN_ID in os.environ:  # under an agent: never outlive it (a kill -9 of it)
             die_with_parent()
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler

@@ -53,7 +53,10 @@ class StepTimes:
 
     def __init__(self, run: Run) -> None:
         self.run = run
-        self.options = straggler.options_from_env()
+        given = getattr(run, "options", None)  # Run's straggler=..., over $ELASTIC_STRAGGLER_*
+        self.options = (
+            straggler.options_from_env() if given is None else straggler.from_model(given.straggler)
+        )
         self.state = straggler.State()
         self.node = node_id()
         self.recent: deque[float] = deque(maxlen=RECENT)  # this rank's step wall times
