@@ -106,7 +106,8 @@ def _main(argv: list[str]) -> int:
     except ChildFailedError as exc:
         from elastic.agent import failure
 
-        line = failure.describe(failure.node_label(config.local_addr), exc.failures)
+        log_dir = getattr(config.logs_specs, "_run_log_dir", None)  # torch's, once made
+        line = failure.describe(failure.node_label(config.local_addr), exc.failures, log_dir)
         return _fail(line, reform.FAILED)
     finally:
         if exporter is not None:
