@@ -663,9 +663,12 @@ class _Candidates:
         )
 
     def _say_skipped(self, loaded: int | None) -> None:
-        """Without commit records: say so when a newer step directory in storage was not
-        complete (its files gone, torn or forged), naming it and the step taken."""
-        newer = [i for i in self.skipped if loaded is None or i.step > loaded]
+        """Without commit records: say so when a newer step in storage has a commit marker
+        but is not complete (its files gone, torn or forged), naming it and the step taken.
+        A newer directory without a marker is a save that never committed: no sentence."""
+        newer = [
+            i for i in self.skipped if i.marker is not None and (loaded is None or i.step > loaded)
+        ]
         if not newer:
             return
         newest = max(newer, key=lambda i: i.step)
@@ -676,8 +679,9 @@ class _Candidates:
             else "from scratch, as no step is complete"
         )
         logger.warning(
-            "Step %s is the newest step in the checkpoint storage under %s/%s, but it is not "
-            "complete (%s); this job resumes %s, and redoes the steps since.",
+            "Step %s is the newest committed step in the checkpoint storage under %s/%s (it "
+            "has a commit marker), but it is not complete (%s); this job resumes %s, and "
+            "redoes the steps since.",
             newest.step,
             m.cfg.url,
             m.run_id,

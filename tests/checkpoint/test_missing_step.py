@@ -82,8 +82,27 @@ def test_a_newest_step_whose_files_are_gone_is_named_with_the_step_taken(
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step 2 is")]
     assert len(said) == 1, caplog.text
     taken = "resumes from step 1, the newest complete one" if left else "resumes from scratch"
-    assert "Step 2 is the newest step in the checkpoint storage" in said[0]
+    assert "Step 2 is the newest committed step in the checkpoint storage" in said[0]
     assert taken in said[0] and "\n" not in said[0]
     older = events.read(log, "ckpt.older")
     assert [(e["step"], e["loaded"]) for e in older] == [(2, 1 if left else None)]
     assert "missing" in older[0]["reason"] or "not" in older[0]["reason"], older
+
+
+def test_a_newer_save_that_never_committed_is_no_such_sentence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step directory without a commit marker (a save cut short) is routine: step 1
+    loads, and no sentence or event claims a committed step is gone."""
+    log = tmp_path / "events.jsonl"
+    monkeypatch.setenv(env.EVENT_LOG, str(log))
+    url = str(tmp_path / "ckpt")
+    manager = small_manager(url)
+    outcome = manager.save(1, small_state(1.0), block=True)
+    assert outcome is not None and outcome.ok, outcome
+    manager.close()
+    (tmp_path / "ckpt" / RUN / "step-2" / "save-00000000deadbeef").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING):
+        assert load_small(small_manager(url))[0] == 1
+    assert "newest committed step" not in caplog.text
+    assert events.read(log, "ckpt.older") == []
