@@ -4,7 +4,7 @@ In a synchronous group a rank stuck in its own code (a hung data loader, a dead 
 deadlock, ``time.sleep(3600)``) holds every peer in the step's first collective; nothing
 fails, so nothing recovers. The one who knows is the stuck rank itself: its step has run
 longer than the bound (:func:`elastic.worker.straggler.hang_bound`: a multiple of its
-recent step time, at least a floor; ``$ELASTIC_HANG``, off by default:
+recent step time, at least a floor; option ``hang.enabled``, off by default:
 :func:`~elastic.worker.straggler.hang_from_env` says why) while none of its collectives is in
 flight (its peers, waiting for it, have theirs in flight: they are not the ones). A thread
 of :class:`HangWatch` then
