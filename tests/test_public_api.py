@@ -45,6 +45,8 @@ RUN_ARGS = [
     "global_batch_size",
     "checkpoint",
     "init_from",
+    "straggler",
+    "hang",
 ]
 
 
