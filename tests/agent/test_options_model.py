@@ -199,3 +199,21 @@ def test_the_reference_table_lists_every_option() -> None:
     for option in options.OPTIONS:
         assert f"| `{option.key}` | `{option.flag}" in table, option.key
         assert f"`{option.env}`" in table, option.env
+
+
+def test_run_keywords_reach_the_step_times_and_bad_ones_are_a_sentence() -> None:
+    import types
+
+    import torch
+
+    import elastic
+    from elastic.worker.timing import StepTimes
+
+    run = types.SimpleNamespace(options=options.load({}, straggler={"drop": True, "ratio": 4}))
+    assert StepTimes(run).options == straggler.Options(4.0, 5, True, 1, 60.0)  # type: ignore[arg-type]
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"straggler\.ratio.*0\.5"):
+        elastic.Run(model, opt, straggler={"ratio": 0.5})
+    with pytest.raises(ConfigError, match=r"Unknown option 'hang\.bound'"):
+        elastic.Run(model, opt, hang={"bound": 3})
