@@ -11,7 +11,8 @@ agent's Prometheus metrics on ``http://<host>:N/metrics`` (:mod:`elastic.agent.m
 
 Every option of :mod:`elastic.node.options` is a flag (``--straggler-ratio 2``), a
 ``--rdzv-conf`` key (``straggler.ratio=2``) and a variable (``$ELASTIC_STRAGGLER_RATIO``);
-flags win over ``--rdzv-conf``, which wins over the environment. The agent hands the
+flags win over ``--rdzv-conf``, which wins over ``--options-file FILE`` (YAML), which wins over
+the environment. The agent hands the
 result to its workers as those variables.
 """
 
@@ -147,10 +148,18 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     for name, metavar, text in _OWN_SPELLINGS:  # translate_argv rewrites them before parsing
         own.add_argument(name, metavar=metavar, dest=f"own_{name[2:]}", help=text)
+    own.add_argument(
+        "--options-file",
+        metavar="FILE",
+        default=None,
+        help="a YAML file of the options below, e.g. 'straggler: {drop: on, ratio: 2}'; "
+        "--rdzv-conf and the flags win over it, it wins over the environment; default: none",
+    )
     group = parser.add_argument_group(
         "options",
-        "Each is also --rdzv-conf KEY=VALUE and $ELASTIC_<KEY>; flags win, then "
-        "--rdzv-conf, then the environment. See docs/operations.md#options.",
+        "Each is also --rdzv-conf KEY=VALUE, a key of --options-file and $ELASTIC_<KEY>; "
+        "flags win, then --rdzv-conf, then the file, then the environment. See "
+        "docs/operations.md#options.",
     )
     for option in options.OPTIONS:
         names = list(_METRICS_OPTIONS) if option.key == "metrics_port" else [option.flag]
@@ -173,8 +182,8 @@ def _dest(key: str) -> str:
 
 
 def given_options(args: argparse.Namespace) -> dict[str, str]:
-    """The options set in the environment, ``--rdzv-conf`` and the flags (later wins), by
-    key; takes ours out of ``args.rdzv_conf`` (torch's parser would refuse them).
+    """The options set in the environment, ``--options-file``, ``--rdzv-conf`` and the flags
+    (later wins), by key; takes ours out of ``args.rdzv_conf`` (torch's would refuse them).
 
     Raises:
         ConfigError: a value an option does not accept.
@@ -188,7 +197,9 @@ def given_options(args: argparse.Namespace) -> dict[str, str]:
     }
     if args.metrics_port is not None:
         flags["metrics_port"] = args.metrics_port
-    given = {**options.from_env(), **ours, **flags}
+    path = getattr(args, "options_file", None)
+    in_file = options.from_file(path) if path else {}
+    given = {**options.from_env(), **in_file, **ours, **flags}
     options.build(given)  # one sentence for a bad value, before anything starts
     return given
 

@@ -4,8 +4,9 @@ Each option has one name (``straggler.ratio``) and four ways to set it, last win
 
 1. its default (the model below);
 2. ``$ELASTIC_<KEY>`` (``ELASTIC_STRAGGLER_RATIO=2``): the key upper-cased, dots as ``_``;
-3. ``--rdzv-conf straggler.ratio=2`` on ``elastic-agent``;
-4. the ``elastic-agent`` flag ``--straggler-ratio 2`` (on/off options:
+3. ``elastic-agent --options-file FILE``: YAML, ``straggler: {ratio: 2}``;
+4. ``--rdzv-conf straggler.ratio=2`` on ``elastic-agent``;
+5. the ``elastic-agent`` flag ``--straggler-ratio 2`` (on/off options:
    ``--straggler-drop`` / ``--no-straggler-drop``).
 
 The agent hands the result to its workers through the same ``$ELASTIC_<KEY>`` variables;
@@ -194,6 +195,47 @@ def from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return found
 
 
+def from_file(path: str) -> dict[str, Any]:
+    """The options in YAML file ``path``, by key: nested (``straggler: {ratio: 2}``) or
+    dotted (``straggler.ratio: 2``).
+
+    Raises:
+        ConfigError: the file cannot be read, is not YAML, or is not a mapping.
+    """
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = yaml.safe_load(file)
+    except OSError as exc:
+        raise ConfigError(
+            f"Cannot read the options file {path} ({exc.strerror}); fix --options-file."
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"The options file {path} is not valid YAML ({exc}); fix --options-file."
+        ) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"The options file {path} holds a {type(data).__name__}; accepted: a mapping of "
+            "options, such as 'straggler: {drop: on, ratio: 2}'."
+        )
+    return _flatten(data)
+
+
+def _flatten(data: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
 def build(*layers: Mapping[str, Any]) -> NodeOptions:
     """The model from flat ``key: value`` layers (later wins) over the defaults.
 
@@ -294,6 +336,7 @@ __all__ = [
     "StragglerOptions",
     "build",
     "from_env",
+    "from_file",
     "load",
     "to_env",
 ]

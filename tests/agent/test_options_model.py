@@ -53,7 +53,7 @@ def test_every_option_has_a_flag_env_description_and_default_in_help(
 
 def test_help_lists_our_spellings_with_the_etcd_default() -> None:
     text = _help()
-    for flag in ("--etcd", "--run-id", "--node-addr", "--config"):
+    for flag in ("--etcd", "--run-id", "--node-addr", "--config", "--options-file"):
         assert re.search(re.escape(flag) + r" [A-Z]+ .*?default:", text), flag
     assert "default: localhost:2379" in text
 
@@ -217,3 +217,44 @@ def test_run_keywords_reach_the_step_times_and_bad_ones_are_a_sentence() -> None
         elastic.Run(model, opt, straggler={"ratio": 0.5})
     with pytest.raises(ConfigError, match=r"Unknown option 'hang\.bound'"):
         elastic.Run(model, opt, hang={"bound": 3})
+
+
+def test_an_options_file_sits_between_the_environment_and_rdzv_conf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "options.yaml"
+    path.write_text("straggler:\n  drop: on\n  ratio: 3\n  steps: 4\nhang.enabled: true\n")
+    monkeypatch.setenv("ELASTIC_STRAGGLER_RATIO", "5")
+    monkeypatch.setenv("ELASTIC_HANG_FLOOR_S", "7")
+    argv = ["--options-file", str(path), "--rdzv-conf", "straggler.steps=6", "train.py"]
+    made = options.build(launch.given_options(_parser().parse_args(argv)))
+    assert made.straggler.drop is True and made.hang.enabled is True
+    assert made.straggler.ratio == 3.0  # the file over the environment
+    assert made.straggler.steps == 6  # --rdzv-conf over the file
+    assert made.hang.floor_s == 7.0  # the environment where the file says nothing
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("- a\n- b\n", ["holds a list", "accepted: a mapping"]),
+        ("straggler: {ratio: [\n", ["not valid YAML", "--options-file"]),
+    ],
+)
+def test_a_bad_options_file_is_one_sentence(tmp_path: Path, text: str, words: list[str]) -> None:
+    path = tmp_path / "options.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        options.from_file(str(path))
+    for word in words:
+        assert word in str(caught.value)
+    with pytest.raises(ConfigError, match="Cannot read the options file"):
+        options.from_file(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match=r"Unknown option 'straggler\.speed'"):
+        options.build(options.from_file(_write(tmp_path, "straggler: {speed: 2}\n")))
+
+
+def _write(folder: Path, text: str) -> str:
+    path = folder / "more.yaml"
+    path.write_text(text)
+    return str(path)
