@@ -80,7 +80,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic import env, events
-from elastic.agent import inplace_host, metrics
+from elastic.agent import inplace_host, jobdir, metrics
 from elastic.agent.cold_start import note_cold
 from elastic.agent.forkserver import server_cold_reason
 from elastic.agent.frozen import FrozenWatch
@@ -124,6 +124,7 @@ class NodeAgent(LocalElasticAgent):
         if fence:
             worker_env[env.FENCE] = fence
         worker_env[env.SNAPSHOT_OWNER] = str(os.getpid())  # whose node the snapshots are
+        worker_env[env.JOB_DIR] = str(jobdir.ensure(spec.rdzv_handler.get_run_id()))
         if self._host is not None:
             worker_env[env.CHANNEL] = str(self._host.channel_of(local_rank))
 

@@ -34,6 +34,7 @@ PER_RUN = {
     "ELASTIC_SNAPSHOT_OWNER",
     "ELASTIC_FENCE",
     "ELASTIC_EVENT_LOG",
+    "ELASTIC_JOB_DIR",  # <root>/<run id>
     "TORCHELASTIC_RESTART_COUNT",  # compared per generation below
     # set in the agent's own environment by torch as it logs a forked worker's failure
     # (a cold start from that agent would inherit it too): the agents differ, not the starts
