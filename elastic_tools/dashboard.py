@@ -1,13 +1,13 @@
 """``elastic dashboard``: a small read-only web page of a running job.
 
-The standard library's ``http.server`` handlers behind
-:class:`elastic.agent.listener.BoundedHTTPServer`
-(a fixed few threads, a read timeout, at most 64 connections: idle clients cannot starve
-it), no framework. Three paths:
+The standard library's ``http.server``, no framework, with the metrics port's bounds
+(:class:`elastic.agent.metrics.BoundedHTTPServer`: at most 8 connections, a thread each, a
+request head within 5 s and 16 KiB: idle or dripping clients cannot starve it). Three paths:
 
 * ``/``: the page; its vanilla JavaScript polls ``/api/status`` every second and reloads
   the timeline image every few seconds;
-* ``/api/status``: JSON: the rendezvous (members, round, world size; from etcd through
+* ``/api/status``: strict JSON (:func:`elastic_tools.status.strict_json`: a NaN loss is
+  the string ``"NaN"``): the rendezvous (members, round, world size; from etcd through
   :func:`elastic_tools.status.rendezvous_status`), the newest step (step, loss, samples/s),
   the newest checkpoint (saved, from the event log; complete, from storage when a
   checkpoint URL is given) and how many events were read;
@@ -37,12 +37,12 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from elastic.agent.listener import BoundedHTTPServer
+from elastic.agent.metrics import BoundedHTTPServer
 from elastic.errors import ElasticError
 from elastic.etcd.client import EtcdClient, EtcdOptions
 from elastic.events import Tail
 from elastic.rendezvous.keys import RunKeys
-from elastic_tools.status import checkpoint_status, rendezvous_status
+from elastic_tools.status import checkpoint_status, rendezvous_status, strict_json
 
 logger = logging.getLogger(__name__)
 
@@ -486,7 +486,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path in ("/", "/index.html"):
                 self._send(page(dashboard.run_id).encode(), "text/html; charset=utf-8")
             elif path == "/api/status":
-                body = json.dumps(dashboard.status(), default=str).encode()
+                body = strict_json(dashboard.status(), default=str).encode()
                 self._send(body, "application/json")
             elif path == "/timeline.png":
                 self._send(dashboard.timeline_png(), "image/png")

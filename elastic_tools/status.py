@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 from datetime import datetime, timezone
@@ -300,6 +301,24 @@ def format_table(
     return "\n".join(lines)
 
 
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(body: Any, **options: Any) -> str:
+    """``json.dumps(body, **options)`` that every JSON parser reads: a non-finite float (a
+    diverged loss, a ratio to a zero median) is written as the string JavaScript shows for
+    it, ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``, not as Python's bare ``NaN``, which a
+    browser's ``JSON.parse`` refuses."""
+    return json.dumps(_finite(body), allow_nan=False, **options)
+
+
 def status_json(
     run_id: str,
     rdzv: dict[str, Any],
@@ -309,7 +328,7 @@ def status_json(
     body = {"run_id": run_id, "rendezvous": rdzv, "checkpoint": ckpt}
     if ranks is not None:
         body["ranks"] = ranks
-    return json.dumps(body, indent=2)
+    return strict_json(body, indent=2)
 
 
 __all__ = [
@@ -324,4 +343,5 @@ __all__ = [
     "rendezvous_status",
     "status_json",
     "straggler_status",
+    "strict_json",
 ]

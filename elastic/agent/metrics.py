@@ -1,8 +1,9 @@
 """Prometheus metrics of one node agent: ``elastic-agent --metrics-port N``.
 
 The agent serves ``/metrics`` over HTTP on port ``N`` (0: one the OS picks; the agent
-prints it) of its node address (``--local-addr``), or of 127.0.0.1 without one; the server
-spends a fixed few threads and refuses connections beyond 64 (:mod:`elastic.agent.listener`).
+prints it) of its node address (``--local-addr``), or of 127.0.0.1 without one:
+prometheus_client's handler in the standard library's threading HTTP server, bounded
+(:class:`BoundedHTTPServer`: at most :data:`MAX_CONNECTIONS` connections, a thread each).
 What the agent knows itself (its rendezvous round, the job's restart budget,
 its etcd requests) comes from small hooks in :mod:`elastic.agent.node` and
 :meth:`elastic.etcd.client.EtcdClient.call`. What its workers know (step, loss,
@@ -58,15 +59,19 @@ and ignored; the metric concerned is then left out or stale.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import shutil
+import socket
+import socketserver
 import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +93,9 @@ ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 _KINDS = ("train.step", "ckpt.save", "worker.restart", "straggler.detected", "worker.hang")
 _WATCH_OPS = {"wait_for_event"}
 _ROUND = "round"  # the agent's note of a completed round (other notes name a change)
+MAX_CONNECTIONS = 8  # open connections at once, a thread each; more are refused
+READ_TIMEOUT = 5.0  # seconds from a connection's start for its request head to arrive whole
+MAX_REQUEST = 16 << 10  # bytes of a request head read at most (a GET has no body)
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -470,16 +478,145 @@ def _error_name(error: BaseException) -> str:
     return public.__name__
 
 
+# -- the HTTP server: the standard library's, bounded ------------------------------------
+
+
+class _HeadTooLarge(OSError):
+    pass
+
+
+class _BoundedReader(io.RawIOBase):
+    """A connection's bytes: at most ``limit`` of them, all before ``deadline``."""
+
+    def __init__(self, sock: socket.socket, limit: int, deadline: float) -> None:
+        self._sock, self._left, self._deadline = sock, limit, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self._left <= 0:
+            raise _HeadTooLarge("The request head is over the server's bound.")
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("The request head did not arrive in time.")
+        self._sock.settimeout(remaining)
+        n = self._sock.recv_into(memoryview(buffer)[: self._left])
+        self._left -= n
+        return n
+
+
+class _BoundedHead(socketserver.StreamRequestHandler):
+    """Put before a handler's class: its request head is read through a
+    :class:`_BoundedReader` (``max_request`` bytes, ``read_timeout`` seconds)."""
+
+    read_timeout: float = READ_TIMEOUT
+    max_request: int = MAX_REQUEST
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        deadline = time.monotonic() + self.read_timeout
+        self.rfile = io.BufferedReader(_BoundedReader(self.connection, self.max_request, deadline))
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """The standard library's threading HTTP server (one daemon thread per connection,
+    ``handler`` answering one request each), with bounds that hostile clients meet: at
+    most ``max_connections`` connections at once (one more is closed at once and counted
+    in :attr:`refused`), each request head read within ``read_timeout`` seconds of the
+    connection's start and ``max_request`` bytes, else closed unanswered. Closing it
+    waits for no client. ``address``'s host may be a name: it binds the first address
+    it resolves to (no reverse lookup)."""
+
+    block_on_close = False
+    request_queue_size = 128
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        read_timeout: float = READ_TIMEOUT,
+        max_request: int = MAX_REQUEST,
+    ) -> None:
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            address[0] or None, address[1], type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        self.address_family = family
+        self.max_connections = max_connections
+        self.refused = 0  # connections closed at once: over the cap
+        self._open = 0
+        self._lock = threading.Lock()
+
+        bounded = type(
+            handler.__name__,
+            (_BoundedHead, handler),
+            {"read_timeout": read_timeout, "max_request": max_request},
+        )
+        super().__init__(sockaddr, bounded)  # type: ignore[arg-type]  # an inet address
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)  # HTTPServer's adds a reverse DNS lookup
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return self._open
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        with self._lock:
+            if self._open < self.max_connections:
+                self._open += 1
+                return True
+            self.refused += 1
+            refused = self.refused
+        if refused in (1, 100) or refused % 10000 == 0:
+            logger.warning(
+                "Refused a connection from %s: %d are open already, the most this server "
+                "keeps (%d refused so far).",
+                client_address,
+                self.max_connections,
+                refused,
+            )
+        return False
+
+    def _release(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started (a pids limit): free its place
+            self._release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("A request from %s failed.", client_address, exc_info=True)
+
+
 # -- the agent's exporter: one per process ---------------------------------------------
 
 
 class Exporter:
     """A started exporter: its metrics, HTTP server and port; :meth:`close` stops it."""
 
-    def __init__(self, metrics: AgentMetrics, server: Any, thread: threading.Thread) -> None:
+    def __init__(
+        self, metrics: AgentMetrics, server: BoundedHTTPServer, thread: threading.Thread
+    ) -> None:
         self.metrics = metrics
         self._server = server
         self._thread = thread
+        self.server_address: tuple[Any, ...] = tuple(server.server_address)
         self.port: int = server.server_port
 
     def close(self) -> None:
@@ -516,15 +653,14 @@ def start(
 ) -> Exporter | None:
     """Serve this process's agent metrics on ``addr:port`` (0: a free port); None if it failed.
 
-    The server (:class:`elastic.agent.listener.BoundedHTTPServer`) spends a fixed few threads and
-    keeps at most :data:`elastic.agent.listener.MAX_CONNECTIONS` connections, each for at most
-    :data:`elastic.agent.listener.READ_TIMEOUT` seconds: idle clients cannot take the agent's
-    threads. Makes the hooks of :mod:`elastic.agent.node` and the etcd client record into it.
+    prometheus_client's handler answers, in a :class:`BoundedHTTPServer`: at most
+    :data:`MAX_CONNECTIONS` connections (a thread each) for at most :data:`READ_TIMEOUT`
+    seconds, so idle or dripping clients cannot take the agent's threads. Makes the hooks of
+    :mod:`elastic.agent.node` and the etcd client record into it.
     """
     global _active
     from prometheus_client.exposition import MetricsHandler
 
-    from elastic.agent.listener import BoundedHTTPServer
     from elastic.etcd import client
 
     try:
@@ -538,7 +674,10 @@ def start(
             exc,
         )
         return None
-    thread = threading.Thread(target=server.serve_forever, name="elastic-metrics", daemon=True)
+    thread = threading.Thread(
+        target=server.serve_forever, name="elastic-metrics", kwargs={"poll_interval": 0.2}
+    )
+    thread.daemon = True
     thread.start()
     _active = metrics
     client.request_observer = metrics.etcd_request
@@ -605,7 +744,11 @@ def on_restarts(used: int, budget: int) -> None:
 
 
 __all__ = [
+    "MAX_CONNECTIONS",
+    "MAX_REQUEST",
+    "READ_TIMEOUT",
     "AgentMetrics",
+    "BoundedHTTPServer",
     "EventTailer",
     "Exporter",
     "bind_address",

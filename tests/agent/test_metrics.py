@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import textwrap
 import time
 import urllib.request
@@ -217,6 +218,40 @@ def test_errors_in_the_exporter_never_reach_the_agent(
         assert metrics.start(busy.port, addr="127.0.0.1") is None, "a taken port is logged"
     finally:
         busy.close()
+
+
+def test_a_scrape_is_answered_while_others_hold_connections_and_closing_waits_for_none(
+    exporter: metrics.Exporter,
+) -> None:
+    """One client drips its request head, another sits idle (each holds one of the
+    server's connections, not the server): the scrape is answered meanwhile, and the agent
+    closes its exporter without waiting for either."""
+    drip = socket.create_connection(("127.0.0.1", exporter.port))
+    idle = socket.create_connection(("127.0.0.1", exporter.port))
+    try:
+        drip.sendall(b"GET /metrics HT")
+        assert value(scrape(exporter.port), "elastic_job_restart_budget") == 5
+        started = time.monotonic()
+        exporter.close()
+        took = time.monotonic() - started
+        assert took < 2.0, f"closing the exporter waited {took:.1f} s for its clients"
+    finally:
+        drip.close()
+        idle.close()
+
+
+def test_the_exporter_binds_a_node_name_to_its_address() -> None:
+    """``--local-addr`` may be a host name: the exporter serves on what it resolves to."""
+    exp = metrics.start(0, addr="localhost", restart_budget=2)
+    assert exp is not None
+    try:
+        host = exp.server_address[0]
+        assert host in ("127.0.0.1", "::1"), host
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{exp.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            assert b"elastic_job_restart_budget 2.0" in reply.read()
+    finally:
+        exp.close()
 
 
 def test_tailer_reads_only_new_whole_lines_and_follows_a_new_file(tmp_path: Path) -> None:

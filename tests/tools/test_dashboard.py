@@ -160,6 +160,36 @@ def _get_as(port: int, host: str | None, path: str = "/api/status") -> tuple[int
         conn.close()
 
 
+def _strict(body: bytes) -> Any:
+    """``body`` as a browser's ``JSON.parse`` reads it: NaN and Infinity are refused."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"/api/status is not JSON: it holds {constant}")
+
+    return json.loads(body, parse_constant=refuse)
+
+
+def test_a_nan_loss_keeps_the_status_json_and_the_page_updating(
+    served: Served, tmp_path: Path
+) -> None:
+    """Issue 38, item 10: a diverged loss (NaN, as events.emit writes it) made /api/status
+    invalid JSON, and the page, which parses it every second, stopped updating."""
+    log = tmp_path / "events.jsonl"
+    step: dict[str, Any] = {"ts": 10.0, "kind": "train.step", "step": 1, "world_size": 1}
+    diverged = {**step, "loss": float("nan"), "samples_per_s": float("inf")}
+    log.write_text(json.dumps(diverged) + "\n")
+    assert "NaN" in log.read_text()  # the event log holds Python's bare NaN
+    url = served.url + "api/status"
+    data = wait_until(lambda: (d := _strict(_get(url)[2]))["events"] == 1 and d, 10, "the NaN step")
+    assert data["step"]["loss"] == "NaN" and data["step"]["samples_per_s"] == "Infinity"
+    with open(log, "a") as f:
+        f.write(json.dumps({**step, "ts": 11.0, "step": 2, "loss": 1.5}) + "\n")
+    data = wait_until(
+        lambda: (d := _strict(_get(url)[2]))["events"] == 2 and d, 10, "the next step"
+    )
+    assert data["step"]["step"] == 2 and data["step"]["loss"] == 1.5
+
+
 def test_only_requests_that_name_the_server_are_answered(served: Served) -> None:
     """A page whose DNS name was rebound to 127.0.0.1 sends its own name as Host."""
     port = served.port
@@ -427,3 +457,17 @@ def test_the_command_serves_until_ctrl_c(etcd: EtcdServer, run_id: str, tmp_path
             proc.wait(30)
     assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
     assert f"dashboard of run {run_id}: http://127.0.0.1:" in out.read_text()
+
+
+@pytest.mark.slow
+def test_the_page_shows_a_nan_loss_in_chromium(
+    chromium: Path, served: Served, tmp_path: Path
+) -> None:
+    """Issue 38, item 10, in a browser: the page parses /api/status with JSON.parse and
+    renders the diverged step (before: the parse failed and every card stayed at '-')."""
+    step = {"ts": 10.0, "kind": "train.step", "step": 5, "loss": float("nan"), "world_size": 1}
+    (tmp_path / "events.jsonl").write_text(json.dumps({**step, "samples_per_s": 8.0}) + "\n")
+    dom = _Dom()
+    dom.feed(browse(chromium, tmp_path, served.url, "--dump-dom").stdout)
+    assert dom.values["step"] == "5" and dom.values["loss"] == "NaN", dom.values
+    assert dom.values["rate"] == "8.0", dom.values

@@ -4,6 +4,7 @@ nothing pickled decoded without the job's secret."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import signal
@@ -391,3 +392,30 @@ def test_status_shows_the_slowest_ranks_and_stuck_ones(tmp_path: Path) -> None:
     assert "ranks [2] slow at 3.1x" in text
     assert json.loads(status_module.status_json("r", {"exists": False}, None, ranks))["ranks"]
     assert status_module.straggler_status(None) is None or os.environ.get("ELASTIC_EVENT_LOG")
+
+
+def _refuse(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON (a browser's JSON.parse refuses it)")
+
+
+def test_status_json_is_strict_json_whatever_the_figures() -> None:
+    """A diverged run's figures (a NaN loss, an infinite ratio to a zero median) are written
+    as strings a strict parser reads (issue 38, item 10), not as Python's bare NaN."""
+    ranks = {
+        "event_log": "events.jsonl",
+        "step": 3,
+        "slowest": [{"rank": 1, "ratio": float("inf")}],
+        "events": [{"kind": "straggler.detected", "ratio": float("nan"), "ranks": (1, 2)}],
+    }
+    text = status_module.status_json("r", {"exists": False}, None, ranks)
+    data = json.loads(text, parse_constant=_refuse)
+    assert data["ranks"]["slowest"][0]["ratio"] == "Infinity"
+    assert data["ranks"]["events"][0] == {
+        "kind": "straggler.detected",
+        "ratio": "NaN",
+        "ranks": [1, 2],
+    }
+    body = {"x": [-math.inf, 1.5, None, "NaN"], "y": {"z": math.nan}}
+    assert status_module.strict_json(body) == (
+        '{"x": ["-Infinity", 1.5, null, "NaN"], "y": {"z": "NaN"}}'
+    )

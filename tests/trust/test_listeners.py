@@ -1,10 +1,13 @@
-"""Idle clients cannot starve the agent's metrics port nor the dashboard (issue 26, item 2).
+"""Hostile clients cannot starve the agent's metrics port nor the dashboard (issue 26, item 2;
+issue 37, item 4: the standard library's threading server now serves both).
 
 A network peer (the metrics port listens on the node address) or a local user opens
-hundreds of connections and sends nothing. Before, each cost the server one thread for as
-long as it stayed open: under a container's pids limit, 80 of them made an agent's etcd
-keep-alive fail. Now the threads are a fixed few, connections beyond the cap are refused,
-idle ones are closed after the read timeout, and the server answers again once they are.
+hundreds of connections and sends nothing, drips a request a byte at a time, or sends a
+head of many megabytes. Before issue 26, each idle connection cost the server one thread
+for as long as it stayed open: under a container's pids limit, 80 of them made an agent's
+etcd keep-alive fail. Now at most ``MAX_CONNECTIONS`` connections are open (a thread each),
+more are refused, a request head must arrive whole within the read timeout and within
+``MAX_REQUEST`` bytes, and the server answers again once the hostile ones are gone.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ import socket
 import textwrap
 import threading
 import time
+import tracemalloc
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elastic import env
-from elastic.agent import listener, metrics
+from elastic.agent import metrics
+from elastic.agent.metrics import BoundedHTTPServer
 from elastic.etcd.server import EtcdServer
 from elastic_tools.dashboard import Dashboard, serve
 from elastic_tools.status import etcd_options
@@ -117,49 +123,103 @@ class _Hello(BaseHTTPRequestHandler):
         pass
 
 
-def test_idle_connections_cost_no_thread_excess_ones_are_refused_and_idle_ones_expire() -> None:
-    server = listener.BoundedHTTPServer(
-        ("127.0.0.1", 0), _Hello, max_connections=32, workers=2, read_timeout=2.0
-    )
+@contextlib.contextmanager
+def hello_server(**bounds: Any) -> Iterator[BoundedHTTPServer]:
+    server = BoundedHTTPServer(("127.0.0.1", 0), _Hello, **bounds)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{server.server_port}/"
     try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            assert reply.read() == b"hello"
-        before = _threads()
-        with idle_connections(server.server_port) as socks:
-            assert server.open_connections <= 32
-            assert _threads() <= before + 1, "idle connections took threads"
-            assert server.refused >= 1
-            # The kept ones are closed at their read timeout; then the server answers again.
-            wait_until(lambda: server.open_connections == 0, 10, "idle connections to expire")
-            assert all(_closed_by_server(s) for s in socks)
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                assert reply.read() == b"hello"
+        yield server
     finally:
         server.shutdown()
         server.server_close()
         thread.join(5)
 
 
-def test_a_slow_request_head_holds_no_worker() -> None:
-    """A client that drips its request a byte at a time is read by the selector thread;
-    the workers answer the others meanwhile, and it is closed at its deadline."""
-    server = listener.BoundedHTTPServer(("127.0.0.1", 0), _Hello, workers=1, read_timeout=1.0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+def _hello(server: BoundedHTTPServer) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/", timeout=5) as reply:
+        return bytes(reply.read())
+
+
+def test_idle_connections_take_at_most_the_cap_of_threads_and_expire() -> None:
+    """300 idle connections: 8 are kept (a thread each), the rest refused; the kept ones
+    are closed at their read timeout, and then the server answers again."""
+    with hello_server(max_connections=8, read_timeout=2.0) as server:
+        assert _hello(server) == b"hello"
+        before = _threads()
+        with idle_connections(server.server_port) as socks:
+            wait_until(lambda: server.refused >= IDLE - 8, 10, "the server to accept them all")
+            assert server.open_connections <= 8
+            assert _threads() <= before + 8, "idle connections took threads past the cap"
+            wait_until(lambda: server.open_connections == 0, 10, "idle connections to expire")
+            assert all(_closed_by_server(s) for s in socks)
+            assert _hello(server) == b"hello"
+        wait_until(lambda: _threads() <= before, 10, "the connections' threads to end")
+
+
+def test_a_dripping_client_stops_no_one_and_is_closed_at_its_deadline() -> None:
+    """A client that drips its request head a byte at a time, faster than the read
+    timeout, holds one connection: others are answered meanwhile, and it is closed when
+    the head has not arrived whole within the read timeout from its connection."""
+    with hello_server(max_connections=4, read_timeout=1.0) as server:
         drip = socket.create_connection(("127.0.0.1", server.server_port))
+        started = time.monotonic()
         drip.sendall(b"GET / HT")
-        url = f"http://127.0.0.1:{server.server_port}/"
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            assert reply.read() == b"hello"
-        wait_until(lambda: _closed_by_server(drip), 10, "the dripping client to be closed")
+        assert _hello(server) == b"hello"
+
+        def dripped_out() -> bool:
+            try:
+                drip.sendall(b"T")  # a byte every poll (about 0.15 s): never a whole head
+            except OSError:
+                return True
+            return _closed_by_server(drip)
+
+        wait_until(dripped_out, 10, "the dripping client to be closed")
+        held = time.monotonic() - started
         drip.close()
-    finally:
+        assert held < 3.0, f"a dripping client held its connection {held:.1f} s"
+        assert _hello(server) == b"hello"
+
+
+def test_a_huge_request_head_is_read_no_further_than_the_bound() -> None:
+    """A head of 6 MB (100 header lines of 60 KB: under the standard library's limits of
+    64 KiB a line and 100 lines) is cut at ``max_request``: the server never holds it."""
+    line = b"X-Filler: " + b"a" * 60_000 + b"\r\n"
+    with hello_server(max_request=16 << 10) as server:
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            with socket.create_connection(("127.0.0.1", server.server_port)) as s:
+                s.settimeout(5)
+                with contextlib.suppress(OSError):  # the server closes it part way
+                    s.sendall(b"GET / HTTP/1.0\r\n")
+                    for _ in range(100):
+                        s.sendall(line)
+                    s.sendall(b"\r\n")
+                with contextlib.suppress(OSError):
+                    assert s.recv(100) == b"", "a cut head must not be answered"
+            wait_until(lambda: server.open_connections == 0, 10, "the connection to close")
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"the server held {peak / 2**20:.1f} MiB for one request"
+        assert _hello(server) == b"hello"
+
+
+def test_closing_the_server_waits_for_no_client() -> None:
+    """The agent stops its exporter at once, whatever its clients are doing."""
+    with hello_server(max_connections=4, read_timeout=30.0) as server:
+        socks = [socket.create_connection(("127.0.0.1", server.server_port)) for _ in range(4)]
+        socks[0].sendall(b"GET / HT")
+        wait_until(lambda: server.open_connections == 4, 10, "the four to be open")
+        started = time.monotonic()
         server.shutdown()
         server.server_close()
+        took = time.monotonic() - started
+        for s in socks:
+            s.close()
+    assert took < 2.0, f"closing the server waited {took:.1f} s for its clients"
 
 
 def test_the_dashboard_keeps_its_threads_under_idle_connections(
@@ -172,8 +232,8 @@ def test_the_dashboard_keeps_its_threads_under_idle_connections(
             assert reply.status == 200
         before = _threads()
         with idle_connections(served.port):
-            assert served.server.refused >= 1
-            assert _threads() <= before + 2, "idle connections took dashboard threads"
+            wait_until(lambda: served.server.refused >= IDLE - 8, 10, "every one accepted")
+            assert _threads() <= before + metrics.MAX_CONNECTIONS, "idle ones took threads"
         wait_until(lambda: served.server.open_connections == 0, 10, "the idle ones to go")
         with urllib.request.urlopen(url, timeout=10) as reply:
             assert reply.status == 200
@@ -235,7 +295,8 @@ def test_an_agent_under_hundreds_of_idle_metrics_connections_keeps_its_threads_a
                 wait_until(lambda: step() >= reached + 10, 60, "the job to run on")
                 if group is not None:  # the limit was never reached
                     assert "max 0" in (group / "pids.events").read_text()
-            assert during <= before + 4, f"{during - before} agent threads for idle connections"
+            extra = during - before
+            assert extra <= metrics.MAX_CONNECTIONS, f"{extra} agent threads for idle connections"
             assert agent.running(), agent.output()[-3000:]
             # The agent answers scrapes again once the idle ones are gone.
             url = f"http://127.0.0.1:{port}/metrics"
