@@ -207,7 +207,7 @@ def stream(
     started = time.perf_counter()
     key = _key()
     cast = _broadcaster(src, src_rank, group, run)
-    meta_len, data_len, tag = _announce(meta, data, key, src_rank, sending, cast)
+    meta_len, data_len, tag = _announce(meta, data, key, src_rank, sending, cast, receive)
     meta_t = (
         torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         if sending and meta
@@ -268,6 +268,7 @@ def _announce(
     src_rank: int,
     sending: bool,
     cast: Callable[[torch.Tensor], None],
+    receive: bool = True,
 ) -> tuple[int, int, bytes]:
     """The source's sizes and digest, broadcast; checked on the others before use."""
     sizes = torch.zeros(2, dtype=torch.int64)
@@ -281,7 +282,7 @@ def _announce(
     cast(tag)
     meta_len, data_len = int(sizes[0]), int(sizes[1])
     if not sending:
-        _check_sizes(src_rank, meta_len, data_len)
+        _check_sizes(src_rank, meta_len, data_len, receive)
     return meta_len, data_len, tag.numpy().tobytes()
 
 
@@ -311,19 +312,24 @@ def _digest(key: bytes, meta: bytes, data: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def _check_sizes(src_rank: int, meta_len: int, data_len: int) -> None:
+def _check_sizes(src_rank: int, meta_len: int, data_len: int, receive: bool = True) -> None:
     """A peer's claim of how much it sends, bounded before anything is allocated: by what
-    this process may still allocate (its memory cgroup's room, else the host's)."""
+    this process may still allocate (its memory cgroup's room, else the host's). A receiver
+    needs twice the data: the bytes received, and the tensors :func:`fetch` decodes out of
+    them (``decode(clone=True)``: its consumers need tensors that own their memory,
+    ``torch.set_rng_state`` crashes on a view)."""
     from elastic.node import memlimit
 
     room = memlimit.available_bytes()
     if room is None:
         room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if not (0 < meta_len <= MAX_META) or not (0 <= data_len <= room):
+    need = 2 * data_len if receive else data_len
+    if not (0 < meta_len <= MAX_META) or not (0 <= need <= room):
         raise RecoveryError(
             f"Rank {src_rank} announced a state of {meta_len} + {data_len} bytes, beyond "
-            f"what this process accepts ({MAX_META} bytes of metadata, {room} of data: the "
-            "memory its cgroup or host has left); it is not received."
+            f"what this process accepts ({MAX_META} bytes of metadata, and {need} bytes to "
+            f"receive and decode its data where its cgroup or host has {room} left); it is "
+            "not received."
         )
 
 
@@ -367,9 +373,7 @@ def fetch(
             run=run,
         )
         if got is not None:
-            # the received bytes are this process's own: the tensors view them, no second
-            # copy (a clone needed twice what _check_sizes charged against the memory room)
-            state = decode(got[0], got[1], clone=False)
+            state = decode(got[0], got[1], clone=True)  # owned tensors: _check_sizes charged 2x
             source, received = "peer", got[1].numel()
     return state, source, received
 

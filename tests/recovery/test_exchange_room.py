@@ -1,38 +1,43 @@
-"""A streamed peer state is decoded without a second copy (issue 38, item 5/B).
+"""A receiver's memory room is charged what it really needs (issue 38, item 5/B).
 
-The receiver checks the announced size against its memory room; decoding with a clone
-needed twice those bytes, so a state between room/2 and room was accepted and then the
-receiver was OOM-killed in ``decode(clone=True)``. The bytes it received are its own, so
-the state's tensors now view them.
+A receiver holds the bytes it receives and then the tensors ``decode(clone=True)`` copies
+out of them: twice the data. The room check charged the data once, so a state between
+room/2 and room was accepted and the receiver was OOM-killed while decoding. It is now
+refused before anything is allocated, in one sentence.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-import torch
 
+from elastic.node import memlimit
 from elastic.worker import exchange
-from elastic.worker.codec import Slot, encode_meta
-from elastic.worker.exchange import Plan
+from elastic.worker.codec import RecoveryError
+
+ROOM = 1 << 30
 
 
-def test_a_streamed_state_is_decoded_in_the_received_bytes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    received = torch.arange(1024, dtype=torch.float32).view(torch.uint8).clone()
-    meta = encode_meta(
-        {"__d": [["w", {"__t": 0}]]}, [Slot(0, received.numel(), "float32", (1024,))]
-    )
+@pytest.fixture
+def _room(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memlimit, "available_bytes", lambda: ROOM)
 
-    def stream(*args: Any, **kwargs: Any) -> tuple[bytes, torch.Tensor]:
-        return meta, received
 
-    monkeypatch.setattr(exchange, "stream", stream)
-    plan = Plan("memory", step=3, round=1, src_rank=1, holders=(1,), world_size=2)
-    state, source, nbytes = exchange.fetch(plan, store=None, group=None)  # type: ignore[arg-type]
-    assert (source, nbytes) == ("peer", received.numel())
-    assert torch.equal(state["w"], torch.arange(1024, dtype=torch.float32))
-    # no second copy: the tensor lies in the received buffer
-    assert state["w"].untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+@pytest.mark.usefixtures("_room")
+def test_a_state_between_half_the_room_and_the_room_is_refused_up_front() -> None:
+    size = ROOM * 3 // 4
+    with pytest.raises(RecoveryError) as refused:
+        exchange._check_sizes(2, 100, size)
+    text = str(refused.value)
+    assert text.startswith(f"Rank 2 announced a state of 100 + {size} bytes")
+    assert f"{2 * size} bytes to receive and decode" in text and str(ROOM) in text
+    assert text.endswith("it is not received.") and text.count(". ") == 0
+
+
+@pytest.mark.usefixtures("_room")
+def test_a_state_of_half_the_room_is_received() -> None:
+    exchange._check_sizes(2, 100, ROOM // 2)
+
+
+@pytest.mark.usefixtures("_room")
+def test_a_holder_that_does_not_receive_is_charged_the_data_once() -> None:
+    exchange._check_sizes(2, 100, ROOM * 3 // 4, receive=False)
