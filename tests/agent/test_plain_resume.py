@@ -84,6 +84,7 @@ def test_a_killed_worker_resumes_from_its_own_checkpoint(
             return next(s for s in starts if s["rank"] == 1)
 
         victim = wait_until(second_epoch_saved, 60, f"epoch 2 ({cluster.logs()[-2000:]})")
+        assert victim is not None
         saved = torch.load(checkpoint, weights_only=False)["epoch"]
         killed_at = time.time()
         kill(victim["pid"], signal.SIGKILL)

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,16 +45,16 @@ def main(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     transform = T.Compose([T.ToImage(), T.ToDtype(torch.float32, scale=True)])
     dataset = torchvision.datasets.ImageFolder(os.path.join(args.data_path, "train"), transform)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
-    model(torch.zeros(1, *dataset[0][0].shape))
-    model = nn.parallel.DistributedDataParallel(model)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+    net(torch.zeros(1, *dataset[0][0].shape))
+    model = nn.parallel.DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
     if args.resume:
         checkpoint = torch.load(args.resume, map_location="cpu")
-        model.module.load_state_dict(checkpoint["model"])
+        net.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
         args.start_epoch = checkpoint["epoch"] + 1
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace) -> None:
         lr_scheduler.step()
         if rank == 0:  # torchvision's utils.save_on_master
             checkpoint = {
-                "model": model.module.state_dict(),
+                "model": net.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "lr_scheduler": lr_scheduler.state_dict(),
                 "epoch": epoch,
