@@ -77,6 +77,10 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "streamed from a holder, storage, fresh), seconds, bytes received, held, persisted",
         "job.finished": "an agent whose workers had not joined yet found the job finished "
         "(its rendezvous closed): they stop and it exits 0: run_id",
+        "boundary.refused": "rank 0: a rank's record at a step boundary was not well-formed "
+        "(a vote not 0 or 1, a figure not finite or out of range): it counts as voting nothing "
+        "and reporting no figures (elastic.worker.boundary); once per rank and round: rank, "
+        "step, round, reason",
         "job.stopped": "rank 0: every rank was asked to stop after a step, so the job's loop "
         "ends (elastic.worker.agreement): step, reason",
         # elastic.worker.timing, elastic.worker.hang (slow and stuck ranks)

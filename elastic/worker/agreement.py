@@ -1,8 +1,8 @@
 """What a Run does after each step: count it, agree with the group, act on the outcome.
 
 :class:`StepEnd` holds the step boundary of :class:`elastic.Run`: this rank's
-:class:`~elastic.worker.boundary.Vote`, the group's one all-reduce of the votes and the
-loss (:class:`~elastic.worker.boundary.Layout`), the pure rule
+:class:`~elastic.worker.boundary.Vote`, the group's one all-gather of every rank's record
+(its vote, loss and figures: :class:`~elastic.worker.boundary.Layout`), the pure rule
 (:func:`~elastic.worker.boundary.decide`), and what each outcome does: go on (and save
 when a checkpoint is due), re-form in place, leave, restart, or stop the job (event
 ``job.stopped``).
@@ -16,12 +16,15 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
 from elastic import events
 from elastic.errors import RecoveryError
 from elastic.node import reform
-from elastic.worker.boundary import Action, Layout, Outcome, Vote, decide
+from elastic.worker.boundary import Action, Layout, Outcome, Tally, Vote, decide
 from elastic.worker.hang import HangWatch
-from elastic.worker.straggler import SLOTS, hang_limits
+from elastic.worker.straggler import LIMITS, SLOTS, hang_limits
 from elastic.worker.timing import StepTimes
 
 if TYPE_CHECKING:
@@ -48,6 +51,7 @@ class StepEnd:
         self.run = run
         self.times = StepTimes(run)  # every rank's step times (elastic.worker.straggler)
         self._hang: HangWatch | None = None
+        self._named: set[tuple[int, int]] = set()  # (round, rank): refused records named
 
     def after_step(self, final: bool = False) -> bool:
         """:meth:`_after_step`, with the hang watch paused over the boundary."""
@@ -57,13 +61,13 @@ class StepEnd:
             self._hang = HangWatch(
                 guard, recent, lambda: (self.run.rank, self.run.step), round_store=self._store
             )
+            given = getattr(self.run, "options", None)  # Run's hang=..., over $ELASTIC_HANG_*
+            if guard is not None and given is not None:
+                self._hang.limits = hang_limits(given.hang)
         self._hang.pause()
         try:
             return self._after_step(final)
         finally:
-            given = getattr(self.run, "options", None)  # Run's hang=..., over $ELASTIC_HANG_*
-            if guard is not None and given is not None:
-                self._hang.limits = hang_limits(given.hang)
             self._hang.resume()
 
     def _store(self) -> tuple[Any, int, int] | None:
@@ -101,30 +105,84 @@ class StepEnd:
         return self._act(outcome, failed=False, everyone=everyone, final=final)
 
     def _agree(self) -> tuple[Outcome, bool]:
-        """The group's one all-reduce after a step: the votes and the loss
-        (:mod:`elastic.worker.boundary`); the outcome, and whether every rank stops."""
+        """The group's one all-gather after a step: every rank's record (its vote, its loss,
+        its figures: :mod:`elastic.worker.boundary`); the outcome, and whether every rank
+        stops."""
         run = self.run
         run.loss = None  # until the group agreed on it
         vote = self._vote()
-        layout = Layout(run.world_size, SLOTS)
+        layout = self.layout()
         loss = (float(run._loss[0]), float(run._loss[1]))
-        flags = layout.build(vote, loss, run.rank, self.times.slots())
+        slots = self.times.slots()
+        slots["hang_commit"] = self._hang.commit() if self._hang is not None else 0.0
+        row = layout.row(vote, loss, slots)
         run._loss.zero_()
         began = time.perf_counter()
         if self._hang is not None:
             self._hang.agreeing = True  # a peer stuck in its step holds this wait
         try:
-            agreed = run._group.agree(flags)
+            gathered = self.gather(row)
         finally:
             if self._hang is not None:
                 self._hang.agreeing = False
         self.times.agreed(time.perf_counter() - began)
-        tally = layout.parse(flags) if agreed else None
+        tally = layout.parse(gathered) if gathered is not None else None
         if tally is not None:
+            self._refused(tally)
             self.times.observe(tally)
+            if self._hang is not None:  # every rank's mark commitment for the next step
+                commits = tuple(s[len(SLOTS)] for s in tally.slots)
+                self._hang.committed(run._round, run.step + 1, commits)
         run.loss = tally.mean_loss if tally is not None else None
         everyone = tally is not None and tally.stops == run.world_size
         return decide(tally, run.world_size, vote, run._group.in_place), everyone
+
+    def layout(self) -> Layout:
+        """Each rank's record: its votes, loss sums, straggler figures and hang commitment."""
+        limits = {**LIMITS, "hang_commit": (0.0, 2.0**48 - 1)}
+        return Layout(self.run.world_size, (*SLOTS, "hang_commit"), limits)
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``row``, ``[world, fields]`` (row ``r`` from rank ``r``: one
+        all-gather on the group's control group); None when a peer was lost (in place)."""
+        run = self.run
+        control = run._group.control
+        if control is None or not run.distributed:
+            return row.reshape(1, -1)
+        out = torch.empty(run.world_size * row.numel(), dtype=row.dtype)  # gloo: flat
+        start = lambda: dist.all_gather_single(out, row, group=control, async_op=True)  # noqa: E731
+        return out.reshape(run.world_size, -1) if run._group.collective(start) else None
+
+    def end_vote(self, seen: bool) -> bool:
+        """At the job's end: whether any rank saw a newer round (``seen``: this rank's),
+        voted in the boundary's records; a failed gather (a peer was lost) says yes."""
+        layout = self.layout()
+        gathered = self.gather(layout.row(Vote(newer=seen)))
+        if gathered is None:
+            return True
+        tally = layout.parse(gathered)
+        self._refused(tally)
+        return tally.newer > 0
+
+    def _refused(self, tally: Tally) -> None:
+        """Rank 0 names each rank whose record was refused (event ``boundary.refused``,
+        once per rank and round); it counted as voting nothing and reporting no figures."""
+        run = self.run
+        for rank, reason in tally.refused:
+            key = (run._round, rank)
+            if key in self._named:
+                continue
+            self._named.add(key)
+            logger.warning(
+                "Rank %d's record at step %d was refused (%s); it counts as voting nothing.",
+                rank,
+                run.step,
+                reason,
+            )
+            if run.rank == 0:
+                events.emit(
+                    "boundary.refused", rank=rank, step=run.step, round=run._round, reason=reason
+                )
 
     def _act(self, outcome: Outcome, failed: bool, everyone: bool, final: bool) -> bool:
         """Carry out the boundary's outcome; True when the group re-formed in place."""

@@ -1,8 +1,10 @@
-"""What the group does after a step: one vote per rank, one all-reduce, one pure rule.
+"""What the group does after a step: one record per rank, one all-gather, one pure rule.
 
-After each completed step every rank adds its :class:`Vote` (and its share of the step's
-loss) to one vector (:class:`Layout`), the group sums it in one all-reduce, and every rank
-applies :func:`decide` to the same sums, so that all take the same branch, on both paths:
+After each completed step every rank writes its :class:`Vote`, its share of the step's loss
+and its own figures (:attr:`Layout.per_rank`, e.g. its compute time and collective wait)
+into its own row of the boundary's records (:class:`Layout`); the group all-gathers the
+rows, every rank counts them (:meth:`Layout.parse`) and applies :func:`decide` to the same
+counts, so that all take the same branch, on both paths:
 
 ======================  =======================================================  ========
 outcome                 when                                                     path
@@ -16,17 +18,19 @@ outcome                 when                                                    
 ``GO_ON``               otherwise                                                both
 ======================  =======================================================  ========
 
-Only ``STOP_ALL`` ends the job's loop; it needs every rank's stop, so a leave, a failed
-save, a thawed node or an abandoned checkpoint can never end the others' loop.
-
-The vector has room for per-rank slots (:attr:`Layout.per_rank`, e.g. each rank's compute
-time and collective wait): rank ``r`` writes its values at its own offset, zeros elsewhere,
-so the same sum delivers every rank's values to every rank.
+Only ``STOP_ALL`` ends the job's loop; it needs every rank's own stop (its row), so a
+leave, a failed save, a thawed node, an abandoned checkpoint or a rank that writes
+nonsense can never end the others' loop. Row ``r`` comes from rank ``r`` (the collective
+places it), so a rank votes, times and reports for itself only; a row that is not
+well-formed (a vote other than 0 or 1, a figure not finite or out of range) is refused:
+its rank counts as voting nothing and reporting no figures (:attr:`Tally.refused`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +60,13 @@ class Vote:
     persist: bool = False  # a stop needs a persisted checkpoint (its memory would not survive)
     broken: bool = False  # in place: it cannot reach the agent's newer round (it restarts)
     ready: bool = False  # in place: every rank of the agent's newer round is ready to form it
+    newer: bool = False  # at the job's end: a newer round formed (elastic.worker.ending)
 
 
 @dataclass(frozen=True)
 class Tally:
-    """The group's sums of the votes, its summed loss, and every rank's slot values."""
+    """The group's counts of the votes, its summed loss, every rank's slot values, and the
+    ranks whose record was refused (rank, reason): they count as voting nothing."""
 
     stops: int
     regroups: int
@@ -70,56 +76,103 @@ class Tally:
     loss: float
     weight: float
     slots: tuple[tuple[float, ...], ...] = ()  # per rank, in :attr:`Layout.per_rank` order
+    refused: tuple[tuple[int, str], ...] = ()
+    newer: int = 0
 
     @property
     def mean_loss(self) -> float | None:
         return self.loss / self.weight if self.weight else None
 
 
-VOTES = ("stop", "regroup", "persist", "broken", "ready")
+VOTES = ("stop", "regroup", "persist", "broken", "ready", "newer")
 SUMS = ("loss", "weight")
+NO_LIMIT = (-math.inf, math.inf)
 
 
 class Layout:
-    """Builds and parses the boundary vector: the votes, the loss sums, then
-    ``world_size * len(per_rank)`` per-rank slots (float64, summed by one all-reduce)."""
+    """Builds and checks the boundary's records: one row per rank (float64): the votes,
+    the loss sums, then the ``per_rank`` slots. Rank ``r`` writes row ``r`` only (an
+    all-gather), so no rank can vote, time or name for another.
 
-    def __init__(self, world_size: int, per_rank: tuple[str, ...] = ()) -> None:
+    A row is *refused* when a vote is not exactly 0 or 1, a sum or slot is not finite, a
+    weight is negative, or a slot lies outside its ``limits`` (name: (low, high)); its rank
+    then counts as voting nothing, contributing no loss and no figures (zeros: not
+    measured), and :attr:`Tally.refused` names it with the reason."""
+
+    def __init__(
+        self,
+        world_size: int,
+        per_rank: tuple[str, ...] = (),
+        limits: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
         self.world_size = world_size
         self.per_rank = per_rank
+        self.limits = dict(limits or {})
         self.head = len(VOTES) + len(SUMS)
 
     @property
-    def size(self) -> int:
-        return self.head + self.world_size * len(self.per_rank)
+    def fields(self) -> int:
+        return self.head + len(self.per_rank)
 
-    def build(
+    def row(
         self,
         vote: Vote,
         loss: tuple[float, float] = (0.0, 0.0),
-        rank: int = 0,
-        slots: dict[str, float] | None = None,
+        slots: Mapping[str, float] | None = None,
     ) -> torch.Tensor:
-        out = torch.zeros(self.size, dtype=torch.float64)
+        """This rank's record."""
+        out = torch.zeros(self.fields, dtype=torch.float64)
         for i, name in enumerate(VOTES):
             out[i] = float(getattr(vote, name))
         out[len(VOTES)], out[len(VOTES) + 1] = loss
-        if self.per_rank:
-            at = self.head + rank * len(self.per_rank)
-            for i, name in enumerate(self.per_rank):
-                out[at + i] = float((slots or {}).get(name, 0.0))
+        for i, name in enumerate(self.per_rank):
+            out[self.head + i] = float((slots or {}).get(name, 0.0))
         return out
 
-    def parse(self, summed: torch.Tensor) -> Tally:
-        values: list[float] = summed.tolist()
-        n = len(self.per_rank)
-        slots = tuple(
-            tuple(values[self.head + r * n : self.head + (r + 1) * n])
-            for r in range(self.world_size if n else 0)
+    def check(self, row: list[float]) -> str | None:
+        """Why ``row`` is refused, or None when it is well-formed."""
+        for name, value in zip(VOTES, row, strict=False):
+            if value not in (0.0, 1.0):
+                return f"its {name} vote is {value!r}, not 0 or 1"
+        for name, value in zip(SUMS + self.per_rank, row[len(VOTES) :], strict=True):
+            if not math.isfinite(value):
+                return f"its {name} is {value!r}, not a finite number"
+            low, high = self.limits.get(name, (0.0, math.inf) if name == "weight" else NO_LIMIT)
+            if not low <= value <= high:
+                return f"its {name} is {value!r}, outside [{low:g}, {high:g}]"
+        return None
+
+    def parse(self, gathered: torch.Tensor) -> Tally:
+        """The group's tally from every rank's record (``gathered``: ``[world, fields]``,
+        row ``r`` from rank ``r``)."""
+        rows: list[list[float]] = gathered.reshape(self.world_size, self.fields).tolist()
+        refused: list[tuple[int, str]] = []
+        counts = dict.fromkeys(VOTES, 0)
+        loss = weight = 0.0
+        slots: list[tuple[float, ...]] = []
+        for rank, values in enumerate(rows):
+            why = self.check(values)
+            if why is not None:
+                refused.append((rank, why))
+                slots.append((0.0,) * len(self.per_rank))
+                continue
+            for name, value in zip(VOTES, values, strict=False):
+                counts[name] += int(value)
+            loss += values[len(VOTES)]
+            weight += values[len(VOTES) + 1]
+            slots.append(tuple(values[self.head :]))
+        return Tally(
+            counts["stop"],
+            counts["regroup"],
+            counts["persist"],
+            counts["broken"],
+            counts["ready"],
+            loss,
+            weight,
+            tuple(slots) if self.per_rank else (),
+            tuple(refused),
+            counts["newer"],
         )
-        stops, regroups, persists, broken, ready = (round(v) for v in values[: len(VOTES)])
-        loss, weight = values[len(VOTES)], values[len(VOTES) + 1]
-        return Tally(stops, regroups, persists, broken, ready, loss, weight, slots)
 
 
 def decide(tally: Tally | None, world: int, mine: Vote, in_place: bool) -> Outcome:

@@ -21,7 +21,12 @@ know: at the same bound, each waiting rank marks itself in the round's store
 (``elastic/arrived/<round>/<step>/<rank>``; nothing is written in a healthy step), reads the
 others' marks after :data:`ROLL_CALL_GRACE_S`, and the lowest of them names every rank
 without a mark (event ``worker.hang.peers``: step, ranks, seconds). So a rank that cannot
-name itself (stuck with the GIL held) is named too.
+name itself (stuck with the GIL held) is named too. A mark is a random token whose
+commitment (a hash) its rank wrote into its own record of the last step boundary
+(:mod:`elastic.worker.boundary`), so no client of the store can plant another rank's mark
+(a stuck rank never reveals its token); a mark once seen stays counted and a rank sets its
+own again at every poll, so a deletion names nobody. In a round's first step no
+commitments are known yet: any mark counts.
 
 It runs on the in-place path only, where the step guard sees this rank's collectives (on
 the restart path a peer waiting inside DDP's all-reduce would look stuck too). A worker
@@ -32,12 +37,15 @@ its agent's heartbeat or frozen-worker watch remains the way out.
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import logging
 import os
+import secrets
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 from elastic import events
@@ -60,26 +68,57 @@ def absent(world_size: int, present: Iterable[int]) -> list[int]:
     return sorted(set(range(world_size)) - set(present))
 
 
+def commitment(token: str) -> float:
+    """The public half of a mark's ``token``: 48 bits of its SHA-256, exact in float64."""
+    return float(int.from_bytes(hashlib.sha256(token.encode()).digest()[:6], "big"))
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
 def roll_call(
-    store: Any, round_: int, step: int, rank: int, world_size: int, grace_s: float
+    store: Any,
+    round_: int,
+    step: int,
+    rank: int,
+    world_size: int,
+    grace_s: float,
+    token: str = "1",
+    commits: tuple[float, ...] | None = None,
 ) -> tuple[list[int], bool]:
-    """Mark ``rank`` as waiting in ``step`` in the round's ``store``, give the other waiting
-    ranks ``grace_s`` to mark themselves, and return ``(the ranks without a mark, whether
-    this rank is the lowest that has one)``: the lowest names them."""
+    """Mark ``rank`` as waiting in ``step`` in the round's ``store`` (its ``token``), give
+    the other waiting ranks ``grace_s`` to mark themselves, and return ``(the ranks without
+    a mark, whether this rank is the lowest that has one)``: the lowest names them.
+
+    With ``commits`` (every rank's :func:`commitment` of its token for this step, from its
+    own record of the last step boundary) a mark counts only when its token matches its
+    rank's commitment: no client of the store can plant another rank's mark. A mark once
+    seen stays counted, and this rank sets its own again at every poll: a deletion by
+    another client changes nothing."""
     prefix = f"{ARRIVED_PREFIX}/{round_}/{step}"
-    store.set(f"{prefix}/{rank}", "1")
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + grace_s
-    present = [rank]
+    present = {rank}
     while True:
         try:
-            present = [r for r, key in enumerate(keys) if store.check([key])]
+            store.set(keys[rank], token)
+            for r, key in enumerate(keys):
+                if r not in present and store.check([key]) and _valid(store, key, r, commits):
+                    present.add(r)
         except Exception as exc:  # the round's store closed (a new round): what was seen
             logger.info("The roll call of step %d ended early: %s", step, exc)
             deadline = 0.0
         if len(present) == world_size or time.monotonic() >= deadline:
-            return absent(world_size, present), min(present, default=rank) == rank
+            return absent(world_size, present), min(present) == rank
         time.sleep(POLL_S)
+
+
+def _valid(store: Any, key: str, rank: int, commits: tuple[float, ...] | None) -> bool:
+    if commits is None:
+        return True
+    value = store.get(key).decode(errors="replace")
+    return rank < len(commits) and commitment(value) == commits[rank]
 
 
 class HangWatch:
@@ -103,6 +142,11 @@ class HangWatch:
         self.guard = guard
         self.round_store = round_store
         self._named: int | None = None  # the step whose absent ranks this rank looked for
+        # this rank's mark token for the next step, and the round and step whose tokens
+        # every rank committed to in the last step boundary's records (their commitments)
+        self._next_token = new_token()
+        self._token = ""
+        self._commits: tuple[int, int, tuple[float, ...]] | None = None
         self.recent = recent
         self.describe = describe
         self.exit = exit
@@ -128,6 +172,16 @@ class HangWatch:
 
     def close(self) -> None:
         self._stop.set()
+
+    def commit(self) -> float:
+        """The commitment to this rank's mark token for the next step, for its record of
+        this step boundary (:mod:`elastic.worker.agreement`)."""
+        self._next_token = new_token()
+        return commitment(self._next_token)
+
+    def committed(self, round_: int, step: int, commits: tuple[float, ...]) -> None:
+        """The boundary's records were gathered: every rank's commitment for ``step``."""
+        self._token, self._commits = self._next_token, (round_, step, commits)
 
     def bound(self) -> float:
         assert self.limits is not None
@@ -181,7 +235,13 @@ class HangWatch:
             return
         self._named = step
         store, round_, world_size = found
-        missing, lowest = roll_call(store, round_, step, rank, world_size, ROLL_CALL_GRACE_S)
+        known = self._commits
+        commits = known[2] if known is not None and known[:2] == (round_, step) else None
+        token = self._token if commits is not None else new_token()
+        store.set_timeout(timedelta(seconds=1))  # a mark deleted between check and get
+        missing, lowest = roll_call(
+            store, round_, step, rank, world_size, ROLL_CALL_GRACE_S, token, commits
+        )
         if not missing or not lowest:
             return
         logger.error(
@@ -255,4 +315,12 @@ def dump_stacks() -> str:
     return text[-MAX_STACKS:]
 
 
-__all__ = ["ARRIVED_PREFIX", "HangWatch", "absent", "dump_stacks", "roll_call"]
+__all__ = [
+    "ARRIVED_PREFIX",
+    "HangWatch",
+    "absent",
+    "commitment",
+    "dump_stacks",
+    "new_token",
+    "roll_call",
+]

@@ -171,14 +171,14 @@ class InPlaceGroup:
     def newer_round(self, refused: bool = False) -> bool:
         """At the job's end: whether a rank's agent formed a newer round (a join whose
         worker is not ready yet), or, after a refused final save (``refused``), rank 0's
-        fence names a newer round than ours; one all-reduce. A failed agreement (a peer
-        was lost) says yes: the agents form the round that replaces it."""
+        fence names a newer round than ours; voted in the boundary's records
+        (:meth:`StepEnd.end_vote`). A failed agreement (a peer was lost) says yes: the
+        agents form the round that replaces it."""
         assert self.member is not None
         seen = self.member.newer_round_formed()
         if refused and not seen and self.run.rank == 0:
             seen = _fence_moved(self.run._fence)
-        flags = torch.tensor([float(seen)], dtype=torch.float64)
-        return not self.agree(flags) or bool(flags.item() > 0)
+        return self.run._step_end.end_vote(seen)
 
     def fall_back(self, exc: BaseException) -> None:
         logger.warning("The in-place re-form failed (%s); restarting from memory instead.", exc)

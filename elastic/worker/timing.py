@@ -3,8 +3,10 @@
 :class:`StepTimes` is the worker's side of :mod:`elastic.worker.straggler`: before the
 step's agreement it measures this rank's step (:meth:`StepTimes.slots`: its wall time since
 the previous agreement began, the part some collective of it was in flight, the *wait*, and
-the rest, its *compute*), which rides in this rank's slots of the agreement vector; after
-it, every rank applies the pure rule to the same sums (:meth:`StepTimes.observe`). Rank 0
+the rest, its *compute*), which rides in this rank's own record of the step's agreement
+(:mod:`elastic.worker.boundary`: no rank can write another's, and a figure that is not
+finite or out of range is refused: no figure); after it, every rank applies the pure rule
+to the same figures (:meth:`StepTimes.observe`). Rank 0
 records what the rule detects (event ``straggler.detected``) and each step's slowest ranks
 (on ``train.step``); when the policy drops a node, that node's lowest rank asks its agent
 for probation (:mod:`elastic.worker.probation`: the agent leaves the round in place like a
@@ -13,7 +15,7 @@ checks its health and rejoins), or, with probation off, to leave the job (SIGTER
 
 The wait is known on the in-place path, where the step guard sees every collective
 (:meth:`elastic.worker.guard.StepGuard.waited`); on the restart path only the agreement's
-own all-reduce is timed (a wait inside DDP's backward counts as compute there).
+own all-gather is timed (a wait inside DDP's backward counts as compute there).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class StepTimes:
         self.last: straggler.Decision | None = None
         self.view: straggler.View | None = None
         self._mark: tuple[float, float, int] | None = None  # (time, waited, reforms)
-        self._agreed_s = 0.0  # restart path: the agreements' all-reduce, summed
+        self._agreed_s = 0.0  # restart path: the agreements' all-gather, summed
         self._left = False
 
     def _waited(self) -> float:
@@ -86,7 +88,7 @@ class StepTimes:
         return out
 
     def agreed(self, seconds: float) -> None:
-        """The agreement's all-reduce took ``seconds`` (the restart path's wait)."""
+        """The agreement's all-gather took ``seconds`` (the restart path's wait)."""
         self._agreed_s += seconds
 
     def observe(self, tally: Tally) -> None:
@@ -129,8 +131,26 @@ class StepTimes:
                 )
         drop = decision.drop
         if drop is not None and self.run.rank == min(drop.ranks) and not self._left:
+            if not self._ours(drop):
+                return
             median = statistics.median(view.compute)
             self._leave(probation.Request(view.step, drop.ratio, median, decision.reason))
+
+    def _ours(self, drop: straggler.Slow) -> bool:
+        """Whether the dropped node (this rank's) holds no rank but its own: a rank
+        of another node that claims this node's id (its own record: it cannot write
+        another's) would make it count as this node's slowest; then nobody leaves."""
+        local = os.environ.get(env.LOCAL_WORLD_SIZE, "")
+        if not local.isdigit() or len(drop.ranks) <= int(local):
+            return True
+        logger.warning(
+            "Node %d was dropped with ranks %s, more than this node's %s: a rank claims a "
+            "node that is not its own; this node stays.",
+            drop.node,
+            list(drop.ranks),
+            local,
+        )
+        return False
 
     def _leave(self, request: probation.Request) -> None:
         """This node was dropped: ask its agent for probation (a request in its node-local

@@ -156,13 +156,13 @@ def test_hang_from_env() -> None:
 
 
 def test_slots_ride_on_the_agreement_vector() -> None:
-    """Each rank writes its own slots; the sum (the all-reduce) gives every rank all."""
-    layout = Layout(3, straggler.SLOTS)
-    summed = torch.zeros(layout.size, dtype=torch.float64)
+    """Each rank writes its own record; the all-gather gives every rank all."""
+    layout = Layout(3, straggler.SLOTS, straggler.LIMITS)
+    rows = []
     for rank in range(3):
         slots = {"compute_s": 0.1 * (rank + 1), "wait_s": 0.01 * rank, "node": 4e9 + rank}
-        summed += layout.build(Vote(), (1.0, 1.0), rank, slots)
-    tally = layout.parse(summed)
+        rows.append(layout.row(Vote(), (1.0, 1.0), slots))
+    tally = layout.parse(torch.stack(rows))
     assert tally.slots == (
         (0.1, 0.0, 4e9, 0.0),
         (0.2, 0.01, 4e9 + 1, 0.0),
@@ -335,3 +335,39 @@ def test_step_times_measure_and_ask_for_probation_or_leave(
         run.step = step
         times3.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
     assert killed == [(4242, signal.SIGTERM)] and len(asked) == 1
+
+
+def test_a_rank_claiming_another_nodes_id_cannot_drop_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Rank 3 (another node) writes node 9's id and a slow time into its own record: node 9
+    reads as slow (its slowest rank). Node 9's lowest rank sees more ranks named for its
+    node than it has ($LOCAL_WORLD_SIZE) and stays; no probation is asked."""
+    import os
+    from types import SimpleNamespace
+
+    from elastic.worker import probation, timing
+    from elastic.worker.boundary import Tally
+
+    monkeypatch.setenv("ELASTIC_STRAGGLER", "2,2")
+    monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", str(os.getpid()))
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    asked: list[object] = []
+    monkeypatch.setattr(probation, "write_request", lambda o, r: asked.append(r))
+    monkeypatch.setattr(timing.os, "kill", lambda pid, sig: asked.append((pid, sig)))
+    run = SimpleNamespace(_group=SimpleNamespace(guard=None), reforms=0, step=0, rank=2)
+    times = timing.StepTimes(run)  # type: ignore[arg-type]
+    liar = ((1.0, 0.0, 7.0, 0.0), (1.0, 0.0, 8.0, 0.0), (1.0, 0.0, 9.0, 0.0), (3.0, 0.0, 9.0, 0.0))
+    for step in (1, 2):
+        run.step = step
+        times.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, liar))
+    assert times.last is not None and times.last.drop is not None
+    assert times.last.drop.ranks == (2, 3)
+    assert asked == []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on node 9 are its own: it goes
+    times = timing.StepTimes(run)  # type: ignore[arg-type]
+    for step in (1, 2):
+        run.step = step
+        times.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, liar))
+    assert len(asked) == 1
