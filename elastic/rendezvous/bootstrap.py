@@ -19,11 +19,11 @@ clients either way.
 Who can reach it. The agent binds the listening socket itself, to the address the node
 announced (``--local-addr``, else its FQDN): the store is reachable only through that
 address, not through the node's other interfaces. torch's TCPStore server has no
-authentication and no bound on what a client stores, so the agent serves the store with its
-own server of torch's protocol, :mod:`elastic.rendezvous.boundstore`, which bounds keys, bytes
-and connections. ``ELASTIC_BOUNDED_STORE=0`` hosts torch's server instead (handed the socket
-through ``master_listen_fd``, unbounded). Anyone who can reach that address can still read and
-write keys (within the bounds) while the round runs: keep the nodes' network to the job (a
+authentication and no bound on what a client stores or asks for, so the agent does not host
+it in its own process: :mod:`elastic.rendezvous.storehost` runs torch's server (libuv) in a
+child process whose memory is capped, handed the held socket. Anyone who can reach that
+address can read and write keys while the round runs, and at worst end that process (the
+round fails and the next one forms); the agent lives. Keep the nodes' network to the job (a
 firewall or network policy), as for torch's own stores.
 """
 
@@ -33,12 +33,8 @@ import ipaddress
 import logging
 import socket
 import time
-from datetime import timedelta
 
-from torch.distributed import TCPStore
-
-from elastic import env
-from elastic.rendezvous.boundstore import BoundedStore
+from elastic.rendezvous.storehost import Hosts, Standby
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +45,9 @@ _POLL_S = 0.005
 class BootstrapStore:
     """One agent's part in the bootstrap store of its current round."""
 
-    def __init__(self, timeout: timedelta = timedelta(minutes=5)) -> None:
-        self._timeout = timeout
-        self._server: TCPStore | BoundedStore | None = None
+    def __init__(self) -> None:
+        self._hosts = Hosts()
+        self._server: Standby | None = None
         self._reserved: socket.socket | None = None
 
     @property
@@ -60,9 +56,9 @@ class BootstrapStore:
         return self._server is not None
 
     @property
-    def bounded(self) -> bool:
-        """Whether this agent hosts the current round's store with the bounded server."""
-        return isinstance(self._server, BoundedStore)
+    def host_pid(self) -> int | None:
+        """The pid of the process serving the current round's store, if this agent hosts it."""
+        return None if self._server is None else self._server.pid
 
     def reserve(self, addr: str) -> int:
         """Bind a port for the store on ``addr`` now and hold it: the port to announce.
@@ -72,6 +68,7 @@ class BootstrapStore:
         If ``addr`` cannot be bound, a port found free on every interface, not held.
         """
         self._release()
+        self._hosts.prepare()  # a host imports torch ahead, in case this node is rank 0
         try:
             self._reserved = listen_on(addr, 0)
         except OSError as exc:
@@ -88,21 +85,25 @@ class BootstrapStore:
     def start_round(self, rank: int, addr: str, port: int) -> None:
         """Host the store at ``port`` (rank 0), or wait until rank 0's agent does."""
         reserved, self._reserved = self._reserved, None
-        self.close()
+        self._end_round()
         if reserved is not None and (rank != 0 or reserved.getsockname()[1] != port):
             reserved.close()
             reserved = None
         if rank == 0:
-            self._server = _host(addr, port, self._timeout, reserved)
+            self._server = _host(self._hosts, addr, port, reserved)
         else:
             wait_listening(addr, port, WAIT_S)
 
     def close(self) -> None:
+        """Stop hosting, release a held port and end the host standing by (the node is done)."""
+        self._end_round()
+        self._hosts.close()
+
+    def _end_round(self) -> None:
         """Stop hosting (the round's workers are gone) and release a held port."""
         server, self._server = self._server, None
-        if isinstance(server, BoundedStore):
+        if server is not None:
             server.close()
-        # torch's server stops with its last reference
         self._release()
 
     def _release(self) -> None:
@@ -153,11 +154,9 @@ def _loopback_name(addr: str) -> bool:
         return False
 
 
-def _host(
-    addr: str, port: int, timeout: timedelta, sock: socket.socket | None = None
-) -> TCPStore | BoundedStore | None:
-    """The store on ``sock`` (the held port), else on a socket bound to ``addr:port`` now:
-    the bounded server, or torch's with ``ELASTIC_BOUNDED_STORE=0``."""
+def _host(hosts: Hosts, addr: str, port: int, sock: socket.socket | None = None) -> Standby | None:
+    """torch's server in a host process (:mod:`elastic.rendezvous.storehost`), serving on
+    ``sock`` (the held port), else on a socket bound to ``addr:port`` now."""
     try:
         sock = sock or listen_on(addr, port)
     except OSError as exc:
@@ -168,39 +167,25 @@ def _host(
             exc,
         )
         return None
-    if env.flag(env.BOUNDED_STORE, default=True):
-        try:
-            server = BoundedStore(sock)
-        except OSError as exc:
-            sock.close()
-            logger.warning(
-                "Could not host the bootstrap store on port %d (%s); rank 0's worker hosts it.",
-                port,
-                exc,
-            )
-            return None
-        logger.debug("Hosting the bootstrap store on port %d (bounded server).", port)
-        return server
+    started = time.monotonic()
     try:
-        torch_server = TCPStore(
-            addr,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timeout,
-            master_listen_fd=sock.fileno(),
-        )
-    except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
-        sock.close()
+        with sock:  # the host has its own copy once it serves; the agent's closes here
+            host = hosts.take()
+            host.serve(sock)
+    except OSError as exc:  # HostError too
         logger.warning(
             "Could not host the bootstrap store on port %d (%s); rank 0's worker hosts it.",
             port,
             exc,
         )
         return None
-    sock.detach()  # the store owns the socket now, and closes it when it stops
-    logger.debug("Hosting the bootstrap store on port %d (torch's server).", port)
-    return torch_server
+    logger.debug(
+        "Hosting the bootstrap store on port %d (pid %d, %.3f s).",
+        port,
+        host.pid,
+        time.monotonic() - started,
+    )
+    return host
 
 
 def wait_listening(addr: str, port: int, timeout: float) -> bool:

@@ -1,4 +1,5 @@
-"""The round's bootstrap store: hosted by rank 0's agent before any worker starts.
+"""The round's bootstrap store: hosted by rank 0's agent (in a host process of its own,
+:mod:`elastic.rendezvous.storehost`) before any worker starts.
 
 A worker that asks a TCPStore before it listens backs off for about half a second (the
 last test shows it, so that a torch that changes this is noticed), which every re-form
@@ -21,6 +22,8 @@ from elastic.etcd.server import EtcdServer, free_port
 from elastic.rendezvous.bootstrap import BootstrapStore, wait_listening
 from tests.helpers import wait_until
 from tests.rendezvous.test_announce import Nodes, join_all
+
+pytestmark = pytest.mark.integration  # the store's host is a process of its own
 
 
 def refuses(port: int) -> bool:

@@ -116,7 +116,7 @@ def test_a_forged_closed_flag_does_not_end_the_job(run: Nodes, client: EtcdClien
 
 
 def test_the_bootstrap_store_listens_on_the_nodes_address_only() -> None:
-    port, store = free_port("127.0.0.2"), BootstrapStore(timedelta(seconds=10))
+    port, store = free_port("127.0.0.2"), BootstrapStore()
     store.start_round(0, "127.0.0.2", port)
     try:
         assert store.hosting
