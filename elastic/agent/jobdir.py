@@ -11,12 +11,15 @@ put the root on storage every node sees. The recipe: docs/from-the-tutorial.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from elastic import env
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "elastic-jobs"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -34,7 +37,17 @@ def job_dir(run_id: str, environ: Mapping[str, str] | None = None) -> Path:
 
 
 def ensure(run_id: str, environ: Mapping[str, str] | None = None) -> Path:
-    """:func:`job_dir`, created (with its parents) if missing."""
+    """:func:`job_dir`, created (with its parents) if missing. A directory the agent cannot
+    create (a read-only working directory) is only logged: the workers start all the same,
+    and a script that writes there gets the error itself."""
     path = job_dir(run_id, environ)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logger.warning(
+            "Cannot create the job directory %s (%s); set %s to a writable directory.",
+            path,
+            exc,
+            env.JOB_ROOT,
+        )
     return path

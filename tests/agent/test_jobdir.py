@@ -32,3 +32,12 @@ def test_a_given_job_dir_is_used_as_it_is(tmp_path: Path) -> None:
 def test_a_run_id_never_leaves_the_root(tmp_path: Path, run_id: str, name: str) -> None:
     path = job_dir(run_id, {"ELASTIC_JOB_ROOT": str(tmp_path)})
     assert path == tmp_path / name and path.parent == tmp_path
+
+
+def test_a_directory_it_cannot_create_is_only_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("")
+    path = ensure("job-42", {"ELASTIC_JOB_ROOT": str(tmp_path / "file")})
+    assert path == tmp_path / "file" / "job-42" and not path.exists()
+    assert "Cannot create the job directory" in caplog.text
