@@ -85,7 +85,7 @@ class BootstrapStore:
     def start_round(self, rank: int, addr: str, port: int) -> None:
         """Host the store at ``port`` (rank 0), or wait until rank 0's agent does."""
         reserved, self._reserved = self._reserved, None
-        self._end_round()
+        self._end_round(wait=False)  # the last round's host ends while this one starts
         if reserved is not None and (rank != 0 or reserved.getsockname()[1] != port):
             reserved.close()
             reserved = None
@@ -99,11 +99,11 @@ class BootstrapStore:
         self._end_round()
         self._hosts.close()
 
-    def _end_round(self) -> None:
+    def _end_round(self, wait: bool = True) -> None:
         """Stop hosting (the round's workers are gone) and release a held port."""
         server, self._server = self._server, None
         if server is not None:
-            server.close()
+            server.close(wait)
         self._release()
 
     def _release(self) -> None:

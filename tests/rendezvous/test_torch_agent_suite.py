@@ -518,6 +518,7 @@ def test_a_dropped_handler_leaves_no_thread_and_forks_stay_safe(etcd: EtcdServer
     assert codes == [0] * 40
 
 
+@pytest.mark.integration  # the store's host is a process of its own
 def test_the_announced_bootstrap_port_is_held_until_the_round() -> None:
     """The port a node announces for its bootstrap store is bound from the announcement on
     (nobody else can take it, as one run of this suite saw happen to a port found free), and
@@ -538,3 +539,4 @@ def test_the_announced_bootstrap_port_is_held_until_the_round() -> None:
     with socket.socket() as other:
         other.bind(("127.0.0.1", port))  # released: a non-zero rank hosts nothing
     assert not again.hosting
+    again.close()  # and ends the host that stood by

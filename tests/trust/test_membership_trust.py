@@ -115,6 +115,7 @@ def test_a_forged_closed_flag_does_not_end_the_job(run: Nodes, client: EtcdClien
     assert all(h.is_closed() for h in handlers)
 
 
+@pytest.mark.integration  # the store's host is a process of its own
 def test_the_bootstrap_store_listens_on_the_nodes_address_only() -> None:
     port, store = free_port("127.0.0.2"), BootstrapStore()
     store.start_round(0, "127.0.0.2", port)
