@@ -33,7 +33,6 @@ SNAPSHOT_OWNER = "ELASTIC_SNAPSHOT_OWNER"  # the agent pid whose node the snapsh
 SNAPSHOT_BACKGROUND = "ELASTIC_SNAPSHOT_BACKGROUND"  # 1/0: copy snapshots in a background thread
 CHANNEL = "ELASTIC_CHANNEL"  # path prefix of the agent <-> worker files for in-place re-forms
 IN_PLACE = "ELASTIC_IN_PLACE"  # 0 = never re-form a running worker in place (see elastic.worker)
-BOUNDED_STORE = "ELASTIC_BOUNDED_STORE"  # 0 = torch's own server hosts the round's store
 JOB_DIR = "ELASTIC_JOB_DIR"  # a worker's per-job directory, stable across restarts (agent.jobdir)
 JOB_ROOT = "ELASTIC_JOB_ROOT"  # where the agent makes <run-id>/ for ELASTIC_JOB_DIR
 TUTORIAL_CHECK = "ELASTIC_TUTORIAL_CHECK"  # 0 = workers may mp.spawn (agent.tutorial_check)

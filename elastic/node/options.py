@@ -103,7 +103,6 @@ class NodeOptions(_Group):
     snapshot: SnapshotOptions = Field(SnapshotOptions(), description="memory snapshots")
     warm_start: OnOff = Field(True, description="fork workers from a server that imported torch")
     in_place: OnOff = Field(True, description="re-form running workers in place on a change")
-    bounded_store: OnOff = Field(True, description="host the round's store with bounded waits")
     tutorial_check: OnOff = Field(True, description="stop a worker that calls mp.spawn, clearly")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve Prometheus metrics on this port (0: any free)"
