@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 FROZEN_S = 3.0  # as long as fast-failover's heartbeat expiry: a frozen node is dropped as fast
 
 
+def frozen_pids(stopped_since: Mapping[int, float], now: float, limit_s: float) -> list[int]:
+    """The pids of ``stopped_since`` (pid -> when first seen stopped) stopped for ``limit_s``
+    or longer at ``now``, sorted: the verdict, a pure function (:mod:`elastic.agent.tick`)."""
+    return sorted(pid for pid, since in stopped_since.items() if now - since >= limit_s)
+
+
 class FrozenWatch:
     """Tells which workers have been stopped for at least ``limit_s`` seconds."""
 
@@ -32,15 +38,19 @@ class FrozenWatch:
         self._clock = clock
         self._since: dict[int, float] = {}  # pid -> when it was first seen stopped
 
-    def frozen(self, pids: Mapping[int, int]) -> list[int]:
-        """The pids of ``pids`` (local rank -> pid) stopped for ``limit_s`` or longer."""
+    def observe(self, pids: Mapping[int, int]) -> dict[int, float]:
+        """Read which workers of ``pids`` (local rank -> pid) are stopped now; returns, for
+        each, when it was first seen stopped (this watch's clock)."""
         now, stopped = self._clock(), {pid for pid in pids.values() if procs.state(pid) == "T"}
         self._since = {pid: self._since.get(pid, now) for pid in stopped}
-        return sorted(pid for pid, since in self._since.items() if now - since >= self.limit_s)
+        return dict(self._since)
 
-    def end(self, pids: Mapping[int, int]) -> list[int]:
-        """SIGKILL every worker of ``pids`` that :meth:`frozen` names; returns their pids."""
-        frozen = self.frozen(pids)
+    def frozen(self, pids: Mapping[int, int]) -> list[int]:
+        """The pids of ``pids`` (local rank -> pid) stopped for ``limit_s`` or longer."""
+        return frozen_pids(self.observe(pids), self._clock(), self.limit_s)
+
+    def kill(self, frozen: list[int]) -> None:
+        """SIGKILL the workers ``frozen`` names, and forget them."""
         for pid in frozen:
             logger.warning(
                 "Worker %d has been stopped (SIGSTOP) for %.1f s or more while this agent "
@@ -50,7 +60,12 @@ class FrozenWatch:
             )
             procs.kill(pid)
             self._since.pop(pid, None)
+
+    def end(self, pids: Mapping[int, int]) -> list[int]:
+        """SIGKILL every worker of ``pids`` that :meth:`frozen` names; returns their pids."""
+        frozen = self.frozen(pids)
+        self.kill(frozen)
         return frozen
 
 
-__all__ = ["FROZEN_S", "FrozenWatch"]
+__all__ = ["FROZEN_S", "FrozenWatch", "frozen_pids"]

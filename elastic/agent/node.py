@@ -49,7 +49,12 @@ Small hooks into torch's agent:
   (its lowest rank leaves a request in this agent's node-local directory), the agent leaves
   the round in place as a planned leave does, sits out running a health check with back-off,
   and rejoins as a joiner once a check passes (or leaves for good after the rule's bound).
-  Without in-place workers, or with ``$ELASTIC_PROBATION=off``, it leaves the job (exit 0).
+  Without in-place workers, or with ``$ELASTIC_PROBATION=off``, it leaves the job (exit 0:
+  :class:`LeftJob`). A worker stuck inside a step that ended itself (exit 76) takes the same
+  "leave, then rejoin" path with no health check (:func:`elastic.agent.probation.sit_out_stuck`).
+* **The tick is a pure function** (:mod:`elastic.agent.tick`): :meth:`NodeAgent._monitor_workers`
+  gathers an observation, ``tick.decide`` answers with an action and a reason, and
+  :meth:`NodeAgent._dispatch` does it; every side effect of a tick lives in the dispatch.
 * **A frozen worker is ended.** A worker stopped (SIGSTOP) for ``FROZEN_S`` seconds while
   its agent runs is killed and restarted like a failed one (:mod:`elastic.agent.frozen`):
   its peers would otherwise wait on it round after round.
@@ -58,6 +63,7 @@ Small hooks into torch's agent:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -77,16 +83,15 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic import env, events
-from elastic.agent import inplace_host, jobdir, metrics
+from elastic.agent import inplace_host, jobdir, metrics, tick
 from elastic.agent.cold_start import note_cold
 from elastic.agent.forkserver import server_cold_reason
-from elastic.agent.frozen import FrozenWatch
+from elastic.agent.frozen import FROZEN_S, FrozenWatch
 from elastic.agent.inplace_host import InPlaceHost
 from elastic.agent.plain_script import PlainScript
-from elastic.agent.probation import Probation, request_path
+from elastic.agent.probation import Ending, Probation, SatOut, request_path, sit_out_stuck
 from elastic.node import channel, nodelocal, reform
 from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
 from elastic.worker import probation, snapshot
@@ -95,10 +100,19 @@ logger = logging.getLogger(__name__)
 
 WAITING_TICK_S = 0.02  # how often the agent looks at its in-place workers' registrations
 LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit before SIGKILL
-# A node whose stuck worker ended itself rejoins this long after it left: the others' round
-# without it forms first (a lost node's round forms in 0.1-0.3 s), so the rejoin is a join.
-STUCK_REJOIN_S = 1.0
 _PEER_GONE = (ChangeKind.PEERS_LOST, ChangeKind.DROPPED)
+
+
+class LeftJob(SignalException):
+    """This node leaves the job for good on its own (dropped as a straggler without
+    probation, or probation gave up): the agent exits 0 and the others go on. torch's
+    launcher keeps the rendezvous open for them only when its agent ends with a
+    :class:`SignalException` (any other end closes it: the job is done), so this is one,
+    with the planned leave's SIGTERM; no signal was received."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"This node leaves the job: {reason}.", signal.SIGTERM)
+        self.reason = reason
 
 
 class NodeAgent(LocalElasticAgent):
@@ -244,78 +258,123 @@ class NodeAgent(LocalElasticAgent):
                     return  # this node was dropped: probation (_monitor_workers)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """One tick: gather what the agent sees, decide (:func:`elastic.agent.tick.decide`,
+        pure), then do it (:meth:`_dispatch`: every side effect of the tick is there)."""
         if self._tick_s is not None:
             self._wait_for_worker_exit(self._tick_s)
+        observation, result = self._observe(worker_group)
+        decision = tick.decide(observation)
+        if decision.action is tick.Action.RECORD_FAILURE:
+            handler = self._handler()
+            metrics.on_change("failure")
+            if handler is not None:
+                self._spend_job_restart(handler)
+            observation = dataclasses.replace(
+                observation, failure_recorded=True, restarts_left=self._remaining_restarts
+            )
+            decision = tick.decide(observation)
+        return self._dispatch(decision, worker_group, result, observation.request)
+
+    def _observe(self, worker_group: WorkerGroup) -> tuple[tick.Observation, RunResult]:
+        """What the tick decides on, and torch's view of the workers (reads only, besides
+        taking the probation request and the frozen watch's bookkeeping)."""
+        handler, host = self._handler(), self._host
         if self._request is not None and self._request.exists():
             request = probation.take_request(os.getpid())
             if request is not None:
-                return self._sit_out(worker_group, request)
+                sitter = self._probation
+                can = sitter is not None and host is not None and handler is not None
+                observation = tick.Observation(
+                    now=time.monotonic(),
+                    request=request,
+                    can_sit_out=can and host is not None and host.ready(worker_group),
+                    has_handler=handler is not None,
+                    in_place=host is not None,
+                )
+                return observation, RunResult(state=worker_group.state)
         self._collect_script_exits()
         result = super()._monitor_workers(worker_group)
-        handler = self._handler()
-        if handler is None:
+        codes = tuple(f.exitcode for f in result.failures.values())
+        finished = stopped = None
+        if handler is not None and result.state == WorkerState.HEALTHY:
+            finished = host is not None and host.finished_before_join(worker_group)
+            if not finished:
+                stopped = self._stopped_since()
+        observation = tick.Observation(
+            now=time.monotonic(),
+            state=result.state,
+            exit_codes=codes,
+            has_handler=handler is not None,
+            in_place=host is not None,
+            finished_before_join=bool(finished),
+            stopped_since=stopped or {},
+            frozen_limit_s=self._frozen.limit_s if self._frozen is not None else FROZEN_S,
+            restarts_left=self._remaining_restarts,
+        )
+        return observation, result
+
+    def _stopped_since(self) -> dict[int, float] | None:
+        """When each worker was first seen stopped (SIGSTOP); None before they start."""
+        pcontext = getattr(self, "_pcontext", None)
+        if pcontext is None:
+            return None
+        self._frozen = self._frozen or FrozenWatch()
+        return self._frozen.observe(pcontext.pids())
+
+    def _dispatch(
+        self,
+        decision: tick.Decision,
+        worker_group: WorkerGroup,
+        result: RunResult,
+        request: probation.Request | None,
+    ) -> RunResult:
+        """Do what the tick decided; the one place its side effects live."""
+        action, handler, host = decision.action, self._handler(), self._host
+        if action is tick.Action.LEAVE_JOB:
+            logger.warning("%s.", decision.reason[0].upper() + decision.reason[1:])
+            raise LeftJob(decision.reason)
+        if action is tick.Action.SIT_OUT and handler is not None and host is not None:
+            if decision.checked and self._probation is not None and request is not None:
+                sat = self._probation.sit_out(
+                    request,
+                    worker_group,
+                    host,
+                    handler,
+                    self._stop_workers,
+                    self._initialize_workers,
+                )
+            else:
+                sat = sit_out_stuck(
+                    worker_group, host, handler, self._stop_workers, self._initialize_workers
+                )
+            return self._back_from_sit_out(worker_group, sat)
+        if handler is None or action in (tick.Action.PASS_ON, tick.Action.RESTART):
             return result
-        if result.state == WorkerState.HEALTHY:
-            if self._host is not None and self._host.finished_before_join(worker_group):
-                return self._finished_before_join(worker_group, handler)
-            self._end_frozen_workers(handler)
-            if self._host is not None:
-                self._host.ask_for_round_if_wanted(worker_group)
-                self._host.report_round(worker_group)  # the closer's in-place rule
-            self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
-            return result
-        if result.state != WorkerState.FAILED or not result.failures:
-            return result
-        if all(f.exitcode == reform.EXIT_CODE for f in result.failures.values()):
+        if action is tick.Action.SUCCEEDED:
+            return self._finished_before_join(worker_group, handler)
+        if action is tick.Action.REFORM:
             logger.info("Workers stopped for a membership change; re-forming the group.")
             metrics.on_change("reform")
             events.emit("worker.restart", reason="reform", run_id=handler.get_run_id())
             handler.request_reform()
             return RunResult(state=WorkerState.HEALTHY)
-        metrics.on_change("failure")
-        self._spend_job_restart(handler)
-        hung = any(f.exitcode == reform.HUNG for f in result.failures.values())
-        if hung and self._host is not None and self._remaining_restarts > 0:
-            return self._drop_stuck(worker_group, handler)
+        if action is not tick.Action.KEEP_GOING:
+            return result
+        self._end_frozen_workers(handler, decision.end_frozen)
+        if host is not None:
+            host.ask_for_round_if_wanted(worker_group)
+            host.report_round(worker_group)  # the closer's in-place rule
+        self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
         return result
 
-    def _drop_stuck(self, worker_group: WorkerGroup, handler: MembershipHandler) -> RunResult:
-        """A worker of ours was stuck inside a step and ended itself: this node leaves its
-        round at once, as a frozen node is dropped, so that the others go on without it
-        (they need not wait for our new worker), then rejoins as a joiner, which they admit
-        at a step boundary. HEALTHY once rejoined; SUCCEEDED when the job finished meanwhile."""
-        logger.warning(
-            "A worker was stuck inside a step and ended itself; this node leaves its round so "
-            "that the others go on, and rejoins in %g s.",
-            STUCK_REJOIN_S,
-        )
-        try:
-            handler.leave()
-        except Exception as exc:  # the others drop us at heartbeat expiry instead
-            logger.warning("Could not leave the rendezvous: %s", exc)
-        self._stop_workers(worker_group)
-        time.sleep(STUCK_REJOIN_S)  # the others' round without us forms first
-        self._change = None
-        try:
-            self._initialize_workers(worker_group)
-        except RendezvousClosedError:
-            logger.warning("The job finished before this node could rejoin it; it exits.")
-            values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
-            return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
-        return RunResult(state=WorkerState.HEALTHY)
-
-    def _sit_out(self, worker_group: WorkerGroup, request: probation.Request) -> RunResult:
-        """This node was dropped as a straggler: probation (it comes back HEALTHY, or ends
-        SUCCEEDED when the job finished meanwhile), else a planned leave."""
-        host, handler, sitter = self._host, self._handler(), self._probation
-        if sitter is None or host is None or handler is None or not host.ready(worker_group):
-            logger.warning("This node is slow (%s); it leaves the job.", request.reason)
-            raise SignalException("The node was dropped as a straggler.", signal.SIGTERM)
-        if sitter.sit_out(
-            request, worker_group, host, handler, self._stop_workers, self._initialize_workers
-        ):
+    def _back_from_sit_out(self, worker_group: WorkerGroup, sat: SatOut) -> RunResult:
+        """HEALTHY once rejoined; SUCCEEDED when the job finished meanwhile; else this node
+        leaves the job (:class:`LeftJob`)."""
+        if sat.ending is Ending.REJOINED:
             self._change = None
             return RunResult(state=WorkerState.HEALTHY)
+        if sat.ending is Ending.LEFT:
+            raise LeftJob(sat.reason)
         values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
@@ -367,14 +426,14 @@ class NodeAgent(LocalElasticAgent):
             if rank not in values and proc.exitcode == 0 and queues[rank].empty():
                 queues[rank].put(None)
 
-    def _end_frozen_workers(self, handler: MembershipHandler) -> None:
-        """SIGKILL workers stopped for FROZEN_S seconds: the next check sees them failed."""
+    def _end_frozen_workers(self, handler: MembershipHandler, frozen: tuple[int, ...]) -> None:
+        """SIGKILL the workers stopped for the frozen limit: the next check sees them failed."""
         pcontext = getattr(self, "_pcontext", None)
-        if pcontext is None:
+        if pcontext is None or not frozen or self._frozen is None:
             return
-        self._frozen = self._frozen or FrozenWatch()
         pids = pcontext.pids()
-        for pid in self._frozen.end(pids):
+        self._frozen.kill(list(frozen))
+        for pid in frozen:
             rank = next(r for r, p in pids.items() if p == pid)
             events.emit(
                 "worker.frozen",
@@ -440,7 +499,8 @@ class NodeAgent(LocalElasticAgent):
         except SignalException as exc:
             handler = self._handler()
             if handler is not None and not (self._host is not None and self._host.left):
-                logger.warning("Received %s: leaving the rendezvous.", exc.sigval)
+                if not isinstance(exc, LeftJob):
+                    logger.warning("Received %s: leaving the rendezvous.", exc.sigval)
                 try:
                     handler.leave()
                 except Exception as leave_exc:  # the others will notice by heartbeat expiry
@@ -540,4 +600,4 @@ def install() -> None:
     launcher_api.logger.addFilter(_RedactPasswords())
 
 
-__all__ = ["LOST_PEER_GRACE_S", "WAITING_TICK_S", "NodeAgent", "install"]
+__all__ = ["LOST_PEER_GRACE_S", "WAITING_TICK_S", "LeftJob", "NodeAgent", "install"]

@@ -17,25 +17,32 @@ node-local directory), the agent does not exit. :meth:`Probation.sit_out`:
    the rule's bound of failed checks, leaves the job for good (event ``probation.gave_up``,
    exit 0).
 
+A worker stuck inside a step that ended itself (exit 76) makes its node take the same path,
+a probation with no health check (:func:`sit_out_stuck`): it leaves its round at once (the
+local workers are stopped, not told), so that the others go on without it, and rejoins
+:data:`STUCK_REJOIN_S` later. Both go through :func:`leave_then_rejoin`, and both answer
+with a :class:`SatOut`: the agent rejoined, found the job finished, or leaves the job.
+
 A stop signal during probation ends the agent as a planned leave does (exit 0); a job that
 finishes meanwhile (its rendezvous closed) ends it with 0 too.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerGroup, WorkerState
-from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elastic import events
@@ -50,6 +57,101 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 60.0  # a probe command that runs longer fails its check
 WORKERS_EXIT_S = 30.0  # the local workers' time to exit after the leave, then they are killed
 POLL_S = 0.5  # how often a waiting probation looks for a closed job (one etcd read)
+# A node whose stuck worker ended itself rejoins this long after it left: the others' round
+# without it forms first (a lost node's round forms in 0.1-0.3 s), so the rejoin is a join.
+STUCK_REJOIN_S = 1.0
+
+
+class Ending(enum.Enum):
+    """How a sit-out ended."""
+
+    REJOINED = "rejoined"  # the node is back in the job, fresh workers started
+    FINISHED = "finished"  # the job finished meanwhile (its rendezvous closed): exit 0
+    LEFT = "left"  # the node leaves the job for good (exit 0; the others go on)
+
+
+@dataclass(frozen=True)
+class SatOut:
+    """A sit-out's answer, and why (a sentence for the log)."""
+
+    ending: Ending
+    reason: str
+
+
+_REJOINED = SatOut(Ending.REJOINED, "the node rejoined the job")
+_FINISHED = SatOut(Ending.FINISHED, "the job finished before this node could rejoin it")
+
+
+def leave_then_rejoin(
+    worker_group: WorkerGroup,
+    host: InPlaceHost,
+    handler: MembershipHandler,
+    stop: Callable[[WorkerGroup], None],
+    rejoin: Callable[[WorkerGroup], None],
+    sit: Callable[[], SatOut | None],
+    *,
+    tell_workers: bool,
+) -> SatOut:
+    """The one "leave, then rejoin" path. Leave the round: in place as a planned leave does
+    (``tell_workers``: the local workers are told the node leaves, exit, and are reaped), or
+    at once (the rendezvous key is deleted and the local workers stopped: one of them is
+    stuck); then ``sit`` (None: rejoin now; else its answer ends the sit-out); then rejoin
+    as a joiner (``rejoin``: torch's rendezvous and a fresh start of the workers)."""
+    if tell_workers:
+        host.leave(worker_group)
+        _reap(worker_group, stop)
+    else:
+        try:
+            handler.leave()
+        except Exception as exc:  # the others drop us at heartbeat expiry instead
+            logger.warning("Could not leave the rendezvous: %s", exc)
+        stop(worker_group)
+    sat = sit()
+    if sat is not None:
+        return sat
+    host.left = False
+    try:
+        rejoin(worker_group)
+    except RendezvousClosedError:
+        logger.warning("The job finished before this node could rejoin it; it exits.")
+        return _FINISHED
+    return _REJOINED
+
+
+def sit_out_stuck(
+    worker_group: WorkerGroup,
+    host: InPlaceHost,
+    handler: MembershipHandler,
+    stop: Callable[[WorkerGroup], None],
+    rejoin: Callable[[WorkerGroup], None],
+    sleep: Callable[[float], None] = time.sleep,
+) -> SatOut:
+    """A worker of ours was stuck inside a step and ended itself: a probation with no health
+    check. This node leaves its round at once, as a frozen node is dropped, so that the
+    others go on without it (they need not wait for our new worker), sits out
+    :data:`STUCK_REJOIN_S` (the others' round without it forms first), then rejoins as a
+    joiner, which they admit at a step boundary."""
+    logger.warning(
+        "A worker was stuck inside a step and ended itself; this node leaves its round so "
+        "that the others go on, and rejoins in %g s.",
+        STUCK_REJOIN_S,
+    )
+
+    def sit() -> None:
+        sleep(STUCK_REJOIN_S)
+
+    return leave_then_rejoin(worker_group, host, handler, stop, rejoin, sit, tell_workers=False)
+
+
+def _reap(worker_group: WorkerGroup, stop: Callable[[WorkerGroup], None]) -> None:
+    """Wait for the local workers to exit (they were told the node leaves), then stop
+    what is left (after :data:`WORKERS_EXIT_S`) and reap them."""
+    deadline = time.monotonic() + WORKERS_EXIT_S
+    pids = [w.id for w in worker_group.workers if isinstance(w.id, int)]
+    while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # real time: the workers' own exit
+    stop(worker_group)
+    worker_group.state = WorkerState.STOPPED
 
 
 def builtin_workload(iterations: int = 20, repeats: int = 3) -> float:
@@ -152,20 +254,17 @@ class Probation:
         handler: MembershipHandler,
         stop: Callable[[WorkerGroup], None],
         rejoin: Callable[[WorkerGroup], None],
-    ) -> bool:
-        """Leave in place, check until the rule says, rejoin (True) or find the job finished
-        (False, :attr:`finished`).
-
-        Raises:
-            SignalException: the node leaves the job for good (the rule's bound), as a
-                planned leave ends (exit 0).
-        """
+    ) -> SatOut:
+        """Leave in place, check until the rule says, then rejoin (:attr:`Ending.REJOINED`),
+        find the job finished (:attr:`Ending.FINISHED`, :attr:`finished`) or leave the job
+        for good (:attr:`Ending.LEFT`, the rule's bound: the agent ends as a planned leave
+        does, exit 0)."""
         self.count += 1
         run_id = handler.get_run_id()
         history = History(self.clock(), self.baseline_s, self.count)
         first = probation.decide(history, None, self.clock(), self.options)
         if first.action is Action.LEAVE:
-            self._give_up(run_id, first.reason, history)
+            return self._give_up(run_id, first.reason, history)
         logger.warning(
             "This node was dropped as a straggler (%s); it leaves the round and sits out on "
             "probation (%d), its first health check in %g s.",
@@ -184,15 +283,36 @@ class Probation:
             probation=self.count,
             next_check_in=self.options.first_s,
         )
-        host.leave(worker_group)
-        self._reap(worker_group, stop)
-        due = first.next_check_at
+        state: dict[str, Any] = {"history": history, "due": first.next_check_at, "started": 0.0}
+
+        def sit() -> SatOut | None:
+            return self._check_until_pass(state, handler, run_id)
+
+        def timed_rejoin(group: WorkerGroup) -> None:
+            state["started"] = self.clock()
+            rejoin(group)
+
+        sat = leave_then_rejoin(
+            worker_group, host, handler, stop, timed_rejoin, sit, tell_workers=True
+        )
+        if sat.ending is Ending.FINISHED:
+            self.finished = True
+        elif sat.ending is Ending.REJOINED:
+            self._rejoined(worker_group, host, run_id, state)
+        return sat
+
+    def _check_until_pass(
+        self, state: dict[str, Any], handler: MembershipHandler, run_id: str
+    ) -> SatOut | None:
+        """Sit out, running the health check when the rule says: None once a check passed
+        (rejoin), else how the probation ends (the job finished; the node gives up)."""
+        history: History = state["history"]
         while True:
-            if not self._wait_until(due, handler):
-                return False
+            if not self._wait_until(state["due"], handler):
+                return _FINISHED
             seconds = self.probe()
             decision = probation.decide(history, seconds, self.clock(), self.options)
-            history = decision.history
+            history = state["history"] = decision.history
             check = history.checks[-1]
             next_in = None if decision.next_check_at is None else decision.next_check_at - check.at
             logger.warning("Probation health check: %s.", decision.reason)
@@ -207,20 +327,10 @@ class Probation:
                 reason=decision.reason,
             )
             if decision.action is Action.LEAVE:
-                self._give_up(run_id, decision.reason, history)
+                return self._give_up(run_id, decision.reason, history)
             if decision.action is Action.REJOIN:
-                return self._rejoin(worker_group, host, rejoin, run_id, history)
-            due = decision.next_check_at
-
-    def _reap(self, worker_group: WorkerGroup, stop: Callable[[WorkerGroup], None]) -> None:
-        """Wait for the local workers to exit (they were told the node leaves), then stop
-        what is left (after :data:`WORKERS_EXIT_S`) and reap them."""
-        deadline = time.monotonic() + WORKERS_EXIT_S
-        pids = [w.id for w in worker_group.workers if isinstance(w.id, int)]
-        while any(procs.alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)  # real time: the workers' own exit
-        stop(worker_group)
-        worker_group.state = WorkerState.STOPPED
+                return None
+            state["due"] = decision.next_check_at
 
     def _wait_until(self, due: float | None, handler: MembershipHandler) -> bool:
         """Sleep until ``due``; False when the job finished meanwhile (its rendezvous closed)."""
@@ -241,22 +351,10 @@ class Probation:
         except Exception:  # etcd does not answer: nothing says the job finished
             return False
 
-    def _rejoin(
-        self,
-        worker_group: WorkerGroup,
-        host: InPlaceHost,
-        rejoin: Callable[[WorkerGroup], None],
-        run_id: str,
-        history: History,
-    ) -> bool:
-        host.left = False
-        started = self.clock()
-        try:
-            rejoin(worker_group)
-        except RendezvousClosedError:
-            logger.warning("The job finished before this node could rejoin it; it exits.")
-            self.finished = True
-            return False
+    def _rejoined(
+        self, worker_group: WorkerGroup, host: InPlaceHost, run_id: str, state: dict[str, Any]
+    ) -> None:
+        history: History = state["history"]
         world = worker_group.workers[0].world_size if worker_group.workers else None
         logger.warning(
             "This node passed its health check and rejoined the job: round %d, world size %s.",
@@ -269,13 +367,12 @@ class Probation:
             round=host.joined_round(),
             world_size=world,
             group_world_size=worker_group.group_world_size,
-            probation_s=round(started - history.entered, 3),
-            rendezvous_s=round(self.clock() - started, 3),
+            probation_s=round(state["started"] - history.entered, 3),
+            rendezvous_s=round(self.clock() - state["started"], 3),
             checks=len(history.checks),
         )
-        return True
 
-    def _give_up(self, run_id: str, reason: str, history: History) -> None:
+    def _give_up(self, run_id: str, reason: str, history: History) -> SatOut:
         logger.warning("Probation %d ends, the node exits 0: %s.", self.count, reason)
         events.emit(
             "probation.gave_up",
@@ -284,7 +381,7 @@ class Probation:
             probation=self.count,
             checks=len(history.checks),
         )
-        raise SignalException(f"The node left the job on probation: {reason}.", signal.SIGTERM)
+        return SatOut(Ending.LEFT, f"the node left the job on probation: {reason}")
 
 
 def _rounded(seconds: float | None) -> float | None:
@@ -297,4 +394,15 @@ def request_path(owner: int) -> Path | None:
     return None if folder is None else folder / probation.REQUEST
 
 
-__all__ = ["Probation", "builtin_workload", "probe_from_env", "request_path", "run_command"]
+__all__ = [
+    "STUCK_REJOIN_S",
+    "Ending",
+    "Probation",
+    "SatOut",
+    "builtin_workload",
+    "leave_then_rejoin",
+    "probe_from_env",
+    "request_path",
+    "run_command",
+    "sit_out_stuck",
+]

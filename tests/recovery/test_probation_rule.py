@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.agent.probation import Ending
 from elastic.errors import ConfigError
 from elastic.node import nodelocal
 from elastic.worker import probation
@@ -199,7 +200,7 @@ def test_sit_out_leaves_checks_with_backoff_and_rejoins(
     stopped: list[object] = []
     rejoined: list[object] = []
     group = _group()
-    assert sitter.sit_out(
+    sat = sitter.sit_out(
         REQUEST,
         group,
         host,
@@ -207,6 +208,7 @@ def test_sit_out_leaves_checks_with_backoff_and_rejoins(
         stopped.append,
         rejoined.append,
     )
+    assert sat.ending is Ending.REJOINED, sat
     assert host.leaves == 1 and not host.left  # left in place, then back
     assert stopped == [group] and rejoined == [group]
     assert ran == [105.0, 115.0, 135.0]  # first_s 5, then 10, 20
@@ -224,36 +226,27 @@ def test_sit_out_leaves_checks_with_backoff_and_rejoins(
 
 
 def test_sit_out_gives_up_after_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from elastic import events
 
     monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
     sitter, ran = _sitter([INF] * 4)
     rejoined: list[object] = []
-    with pytest.raises(SignalException, match="4 failed check"):
-        sitter.sit_out(
-            REQUEST,
-            _group(),
-            _Host(),
-            _Handler(),
-            lambda g: None,
-            rejoined.append,
-        )
+    sat = sitter.sit_out(REQUEST, _group(), _Host(), _Handler(), lambda g: None, rejoined.append)
+    assert sat.ending is Ending.LEFT and "4 failed check" in sat.reason, sat
     assert len(ran) == 4 and rejoined == []
     gave_up = events.read(tmp_path / "events.jsonl", "probation.gave_up")[0]
     assert gave_up["checks"] == 4 and "for good" in gave_up["reason"]
     # the third probation of this agent leaves at once, before leaving the round
     sitter.count = 2
     host = _Host()
-    with pytest.raises(SignalException, match="keeps being dropped"):
-        sitter.sit_out(REQUEST, _group(), host, _Handler(), lambda g: None, rejoined.append)
+    sat = sitter.sit_out(REQUEST, _group(), host, _Handler(), lambda g: None, rejoined.append)
+    assert sat.ending is Ending.LEFT and "keeps being dropped" in sat.reason, sat
     assert host.leaves == 0  # the agent's planned leave does it
 
 
 def test_sit_out_ends_when_the_job_finishes() -> None:
     sitter, ran = _sitter([3.0])
-    ok = sitter.sit_out(
+    sat = sitter.sit_out(
         REQUEST,
         _group(),
         _Host(),
@@ -261,4 +254,4 @@ def test_sit_out_ends_when_the_job_finishes() -> None:
         lambda g: None,
         lambda g: None,
     )
-    assert not ok and sitter.finished and ran == []
+    assert sat.ending is Ending.FINISHED and sitter.finished and ran == []
