@@ -34,6 +34,8 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "node.lost": "peers of an agent's round are gone; it re-forms the group: nodes",
         "node.dead": "agents whose probe ports refuse connections were removed from the "
         "rendezvous without waiting for their heartbeats to expire: nodes",
+        "etcd.reset": "an agent saw etcd lose its data (restarted empty, or a new cluster) and "
+        "announced again: node, round (the newest it knew; the next comes after it), reason",
         "node.expired": "an agent's own etcd lease expired while it ran (etcd stalled, or the "
         "agent too slow to renew it): its round goes on without it and it rejoins: node",
         "node.probation": "a node dropped as a straggler left its round in place and sits out: "

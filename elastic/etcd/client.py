@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from elastic.errors import ConfigError, EtcdConnectionError, RequestTooLargeError
+from elastic.etcd.reset import Identity
 
 try:
     from etcd3 import etcdrpc
@@ -261,6 +262,9 @@ REQUEST_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, grpc.Rpc
 
 
 ATTEMPT_S = 1.0  # the most one request waits on one member while others could answer
+# After a reset is told, a watch from a revision the store has not reached is taken for one
+# set up from the revisions held just before (ended quietly), not for another loss.
+RESET_GRACE_S = 5.0
 
 
 class EtcdUnansweredError(EtcdConnectionError):
@@ -289,6 +293,11 @@ class EtcdClient:
         self._conns: dict[int, _Connection] = {}
         self._ever_connected = False
         self.requests = 0  # round trips made, for benchmarks
+        # The store the response headers show; told of a store that lost its data
+        # (:mod:`elastic.etcd.reset`), each of these is called with the reason.
+        self.identity = Identity()
+        self.on_reset: list[Callable[[str], None]] = []
+        self._reset_at = -RESET_GRACE_S  # when a reset was told last (time.monotonic)
 
     # -- plumbing -------------------------------------------------------------
 
@@ -338,6 +347,7 @@ class EtcdClient:
                     self.requests += 1
                     result = fn(conn, max(0.05, min(cap, deadline - time.monotonic())))
                     self._ever_connected = True
+                    self.note_header(getattr(result, "header", None))
                     return result
                 except grpc.RpcError as exc:
                     if _too_large(exc):
@@ -350,6 +360,49 @@ class EtcdClient:
                 raise self._unreachable(errors, budget, started)
             if attempt % n == 0:
                 time.sleep(_BACKOFF_S[min(attempt // n, len(_BACKOFF_S)) - 1])
+
+    def note_header(self, header: Any) -> bool:
+        """Check a response header against the store seen so far; True when it shows that
+        etcd lost its data (a new cluster, or a revision gone backwards): the
+        :attr:`on_reset` listeners have then been told."""
+        reason = self.identity.note(header)
+        if reason is None:
+            return False
+        self._tell_reset(reason)
+        return True
+
+    def _watch_created(self, header: Any, start_revision: int) -> bool:
+        """A watch stream was created: True when etcd lost its data (then it must end), by
+        its header, or because it is from a revision the very member we saw last has not
+        reached (a watch opened with revisions kept from before the loss would wait for
+        history; a lagging member of the same cluster is waited for instead)."""
+        if self.note_header(header):
+            return True
+        last = self.identity.last
+        if start_revision <= header.revision + 1 or last is None:
+            return False
+        if last.member_id != header.member_id:
+            return False
+        if time.monotonic() - self._reset_at < RESET_GRACE_S:
+            return True  # a watch its caller set up just before the reset came to light
+        self.identity.resets += 1
+        self._tell_reset(
+            f"a watch from revision {start_revision} found etcd at revision {header.revision}"
+        )
+        return True
+
+    def _tell_reset(self, reason: str) -> None:
+        self._reset_at = time.monotonic()
+        logger.warning(
+            "etcd at %s lost its data (%s); the rendezvous announces again.",
+            _names(self.options.endpoints),
+            reason,
+        )
+        for listener in list(self.on_reset):
+            try:
+                listener(reason)
+            except Exception:
+                logger.exception("A listener of the etcd reset failed.")
 
     def _conn_or_none(self, index: int, errors: dict[str, str]) -> _Connection | None:
         try:
@@ -435,7 +488,9 @@ class EtcdClient:
                 iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]), timeout=t, metadata=c.metadata
             )
             try:
-                return next(stream).TTL
+                response = next(stream)
+                self.note_header(response.header)
+                return int(response.TTL)
             finally:
                 stream.cancel()
 
@@ -503,7 +558,7 @@ class EtcdClient:
         creates = [_watch_create(target) for target in targets]
 
         def attempt(c: _Connection, _t: float) -> bool:
-            return _watch_many_once(c, creates, timeout, on_events, handle)
+            return _watch_many_once(c, creates, timeout, on_events, handle, self._watch_created)
 
         return bool(self.call(attempt))
 
@@ -561,6 +616,7 @@ def _watch_many_once(
     timeout: float,
     on_events: Callable[[int, list[KeyEvent]], bool],
     handle: WatchHandle,
+    on_created: Callable[[Any, int], bool] | None = None,
 ) -> bool:
     done = threading.Event()
 
@@ -572,7 +628,7 @@ def _watch_many_once(
     stream = conn.watch.Watch(requests(), timeout=timeout, metadata=conn.metadata)
     handle.set(stream)
     try:
-        return _follow(stream, on_events)
+        return _follow(stream, on_events, on_created, [c.start_revision for c in creates])
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.CANCELLED or _is_deadline(exc):
             return True
@@ -582,9 +638,18 @@ def _watch_many_once(
         stream.cancel()
 
 
-def _follow(stream: Any, on_events: Callable[[int, list[KeyEvent]], bool]) -> bool:
+def _follow(
+    stream: Any,
+    on_events: Callable[[int, list[KeyEvent]], bool],
+    on_created: Callable[[Any, int], bool] | None = None,
+    starts: Sequence[int] = (),
+) -> bool:
     ids: dict[int, int] = {}  # etcd's watch id -> the index of its create request
     for response in stream:
+        if response.created and on_created is not None:
+            start = starts[len(ids)] if len(ids) < len(starts) else 0
+            if on_created(response.header, start):
+                return True  # etcd lost its data: the revisions watched from are history
         if response.created and response.watch_id not in ids:
             ids[response.watch_id] = len(ids)
         if response.compact_revision or response.canceled:

@@ -31,6 +31,14 @@ class RunLease:
         self._id = 0
         self._refreshed = 0.0
         self._lock = threading.Lock()
+        client.on_reset.append(self._forget)
+
+    def _forget(self, reason: str) -> None:
+        """etcd lost its data, and the lease with it: the next write takes a new one. No
+        lock: the reset may be seen by the very grant :meth:`id` makes under it (a plain
+        assignment is atomic; a grant under way assigns the new store's lease after it)."""
+        del reason
+        self._id = 0
 
     @property
     def ttl(self) -> int:

@@ -115,7 +115,7 @@ class Closer:
         state = self._state
         with state.cond:
             view = state.view(self._limits)
-            number = policy.next_round(view, state.high)
+            number = policy.next_round(view, policy.newest(state.high, state.floor))
             round_ = policy.compose(view, number, state.name)
         written = self._publisher.put_round(round_, number)
         if written is None:

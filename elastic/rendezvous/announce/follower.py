@@ -18,6 +18,8 @@ from elastic.rendezvous.announce.records import decode_member
 from elastic.rendezvous.announce.state import NodeState
 from elastic.rendezvous.keys import RunKeys
 
+UNKEYED_WATCH_S = 1.0  # the longest watch while this node's key has no known revision
+
 
 class Follower:
     """One watch of the round key and the predecessor at a time (:meth:`step`)."""
@@ -38,6 +40,9 @@ class Follower:
             if state.closer:  # made the closer since the watch loop looked (an announcement)
                 return False
             targets = {"round": WatchTarget(self._keys.round, state.round_seen + 1)}
+            # Without our key to follow (etcd lost its data: no revision of it is known) an
+            # announcement cannot end the watch: look at the role again every second.
+            idle_s = IDLE_WATCH_S if state.mine_rev else UNKEYED_WATCH_S
             if state.mine_rev:
                 targets["own"] = WatchTarget(self._own_key, state.mine_rev + 1)
             if state.pred is not None:
@@ -65,9 +70,7 @@ class Follower:
                 pred_gone = any(e.deleted for e in batch)
                 return pred_gone
 
-        if not self._client.watch_many(
-            list(targets.values()), IDLE_WATCH_S, on_events, state.watch
-        ):
+        if not self._client.watch_many(list(targets.values()), idle_s, on_events, state.watch):
             self.resync()
             return True
         if pred_gone:

@@ -16,6 +16,7 @@ is refused. Without one everything works as before, unsigned.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -111,6 +112,8 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         self._peers: frozenset[str] = frozenset()
         self._reform_requested = False
         self._bootstrap = BootstrapStore()
+        # etcd lost its data (restarted empty): forget its revisions and announce afresh.
+        client.on_reset.append(functools.partial(_store_lost, self._state, self._publisher))
         # A handler dropped without shutdown() (torch's own agent tests drop some) must not
         # leave its threads in gRPC: a later fork() then aborts in the child (gRPC skips its
         # fork handlers while other threads are in a call). The threads hold no reference
@@ -359,8 +362,12 @@ class AnnounceRendezvousHandler(RendezvousHandler):
             after=after,
             local_world_size=self._local_world_size,
         )
+        with self._state.cond:
+            unwatched = not self._state.mine_rev  # the watch does not follow our key
         if self._publisher.announce(announcement):
             self._follower.find_pred()  # the read did not look below our key
+        if unwatched:  # end it: our announcement may have made this node the closer
+            self._state.watch.interrupt(self._state.watch.current_id)
 
     def _start_threads(self) -> None:
         if self._threads:
@@ -413,6 +420,26 @@ def _release(
     keeper.close()
     bootstrap.close()
     ledger.close()
+
+
+def _store_lost(state: NodeState, publisher: Publisher, reason: str) -> None:
+    """etcd lost its data (:mod:`elastic.etcd.reset`; called in the thread whose request saw
+    it): forget every revision, end the watch in flight, and announce afresh, so the closer
+    publishes a round numbered after the newest one this node knew (the workers re-form)."""
+    with state.cond:
+        round_ = state.round.round
+        state.forget_store()
+    publisher.forget()
+    state.watch.interrupt(state.watch.current_id)
+    logger.warning(
+        "etcd lost the data of the rendezvous '%s' (%s); the node '%s' announces again, and "
+        "the next round comes after round %d.",
+        state.run_id,
+        reason,
+        state.name,
+        round_,
+    )
+    events.emit("etcd.reset", run_id=state.run_id, node=state.name, round=round_, reason=reason)
 
 
 def _watch_loop(state: NodeState, closer: Closer, follower: Follower, outage: Outage) -> None:

@@ -297,6 +297,14 @@ def next_round(view: View, high: int | None) -> int:
     return number if high is None else max(number, high + 1)
 
 
+def newest(high: int | None, floor: int) -> int | None:
+    """The newest round ever published as the closer knows it: the fence's high mark, or
+    the newest round it knew before etcd lost its data (``floor``, -1: it never did)."""
+    if floor < 0:
+        return high
+    return floor if high is None else max(high, floor)
+
+
 def compose(view: View, number: int, closer: str) -> Round:
     """The round to publish: the early close's participants if it applies and there is
     room, else the oldest ready nodes up to ``max_nodes`` (the rest wait: the round is

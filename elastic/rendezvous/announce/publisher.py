@@ -88,6 +88,10 @@ class Publisher:
         self.key = keys.members + state.name.encode()  # this node's member key
         self._mine: KeyValue | None = None  # our key as we last wrote or read it (None: unknown)
 
+    def forget(self) -> None:
+        """etcd lost its data: our key as we last wrote it is gone with it."""
+        self._mine = None
+
     def announce(self, announcement: Announcement) -> bool:
         """Write this node's key and take the round and the predecessor it read.
 

@@ -61,6 +61,9 @@ class NodeState:
     ports: dict[str, int] = field(default_factory=dict)  # probe ports by node name
     # The round this node's workers run in place, as its agent last said (None: none).
     in_place_round: int | None = None
+    # The newest round this node knew of when etcd lost its data (-1: it never did): the
+    # next round is numbered after it, so round numbers and the fence never go backwards.
+    floor: int = -1
 
     def view(self, limits: Limits) -> View:
         """The closer's frozen view for :mod:`.policy`."""
@@ -118,6 +121,19 @@ class NodeState:
         self.expired = True
         self.closer = False
         self.cond.notify_all()
+
+    def forget_store(self) -> None:
+        """etcd lost its data (:mod:`elastic.etcd.reset`): every revision held is history and
+        this node's key is gone. Keep the newest round number (:attr:`floor`), forget the
+        rest, and announce afresh (:meth:`expire`); whoever announces first is the closer."""
+        self.floor = max(self.floor, self.round.round, -1 if self.high is None else self.high)
+        self.round_rev, self.round_at = 0, UNKNOWN
+        self.round_seen = self.pred_seen = self.members_seen = 0
+        self.create_rev = self.mine_rev = 0
+        self.pred, self.high = None, None
+        self.members = {}
+        self.expire()
+        self.probe_now.set()
 
     def key_deleted(self, revision: int) -> None:
         """A watch saw this node's key deleted at ``revision``: :meth:`expire`, unless the
