@@ -54,6 +54,7 @@ RUN set -eux; \
 # The project itself (configs/ stays in /app, the working directory: --config configs/...).
 COPY pyproject.toml README.md /app/
 COPY elastic /app/elastic
+COPY elastic_tools /app/elastic_tools
 COPY configs /app/configs
 COPY docker/entrypoint.sh /usr/local/bin/elastic-entrypoint
 COPY docker/etcd-init.py /usr/local/bin/elastic-etcd-init

@@ -193,3 +193,14 @@ def test_constraints_pin_every_dev_requirement_within_its_bounds() -> None:
         )
     assert not SpecifierSet(project["requires-python"]).contains("3.10.8")  # CVE-2022-42919
     assert SpecifierSet(project["requires-python"]).contains("3.10.9")
+
+
+@pytest.mark.unit
+def test_the_dockerfile_copies_what_the_wheel_is_built_from() -> None:
+    copied: set[str] = set()
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and words[-1].startswith("/app"):
+            copied.update(w.rstrip("/") for w in words[1:-1])
+    missing = [name for name in SOURCES if name not in copied]
+    assert not missing, f"the Dockerfile does not COPY {missing} into /app"

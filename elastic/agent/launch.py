@@ -142,6 +142,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """torchrun's ``parser`` as ``elastic-agent``'s: the ``etcd-v3`` backend, our spellings
     and every option of :mod:`elastic.node.options`, each with its default in ``--help``."""
     parser.prog = "elastic-agent"
+    # The script's own flags follow it (--snapshot would otherwise abbreviate --snapshot-every).
+    parser.allow_abbrev = False
     parser.set_defaults(rdzv_backend="etcd-v3")
     own = parser.add_argument_group(
         "elastic-agent", "Our spellings of torchrun's options (both work)."

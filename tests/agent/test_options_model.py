@@ -58,6 +58,20 @@ def test_help_lists_our_spellings_with_the_etcd_default() -> None:
     assert "default: localhost:2379" in text
 
 
+@pytest.mark.parametrize(
+    "script_args",
+    [
+        ["--snapshot", "ckpt.pt", "--epochs", "2"],  # the tutorial's flags, after the script
+        ["--snap", "x"],
+        ["--standalone", "--nproc-per-node", "3"],  # torchrun's own names, passed through too
+    ],
+)
+def test_a_scripts_flags_after_it_are_never_read_as_ours(script_args: list[str]) -> None:
+    parsed = _parser().parse_args(["--nnodes", "1", "script.py", *script_args])
+    assert parsed.training_script == "script.py"
+    assert parsed.training_script_args == script_args
+
+
 def test_flags_win_over_rdzv_conf_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ELASTIC_STRAGGLER_RATIO", "3")
     monkeypatch.setenv("ELASTIC_STRAGGLER_STEPS", "4")

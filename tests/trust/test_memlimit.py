@@ -98,7 +98,7 @@ def test_a_real_memory_cgroup_bounds_what_is_available(tmp_path: Path) -> None:
         code = (
             "import os, sys\n"
             f"open({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
-            "from elastic import memlimit\n"
+            "from elastic.node import memlimit\n"
             "print(memlimit.available_bytes())\n"
         )
         done = subprocess.run(

@@ -124,7 +124,7 @@ def test_a_planted_reform_marker_does_not_skip_the_checkpoint(
         f"ln -s {target} {shared}/elastic-reform-{owner + 1}"
     )
     assert done.returncode == 0, done.stderr
-    code = f"from elastic import reform; print(reform.stopping_for_reform({str(shared)!r}))"
+    code = f"from elastic.node import reform; print(reform.stopping_for_reform({str(shared)!r}))"
     seen = python(code, {env.SNAPSHOT_OWNER: str(owner)})
     assert seen.returncode == 0 and seen.stdout.strip() == "False", seen.stderr  # so: persist
 
@@ -167,7 +167,7 @@ def _prepare(shared: Path, drop_root: bool) -> subprocess.CompletedProcess[str]:
     code = (
         "import logging, os\n"
         "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
-        "from elastic import nodelocal\n"
+        "from elastic.node import nodelocal\n"
         "from elastic.agent import node\n"
         + (DROP_ROOT if drop_root else "")
         + f"node._prepare_node({str(shared)!r})\n"
