@@ -91,7 +91,7 @@ docker tag "$ETCD_IMAGE" elastic-etcd:local
 # --- 3. the project image: the repo's Dockerfile on the local base, fed local wheels ---------
 cd "$REPO"
 mapfile -t FILES < <(git ls-files -co --exclude-standard -- Dockerfile .dockerignore pyproject.toml README.md \
-                       docker/entrypoint.sh docker/etcd-init.py elastic agents configs | sort -u | while read -r f; do [ -f "$f" ] && echo "$f"; done)
+                       docker/entrypoint.sh docker/etcd-init.py elastic elastic_tools agents configs | sort -u | while read -r f; do [ -f "$f" ] && echo "$f"; done)
 AGENT_TAG="$( (echo "$BASE_IMAGE $TORCH_SPEC $TORCHVISION_SPEC"; for f in "${FILES[@]}"; do echo "$f"; cat "$f"; done) | sha)"
 AGENT_IMAGE="elastic-agent:$AGENT_TAG"
 if ! have_image "$AGENT_IMAGE"; then

@@ -204,3 +204,8 @@ def test_the_dockerfile_copies_what_the_wheel_is_built_from() -> None:
             copied.update(w.rstrip("/") for w in words[1:-1])
     missing = [name for name in SOURCES if name not in copied]
     assert not missing, f"the Dockerfile does not COPY {missing} into /app"
+    # docker/build-base.sh sends the build context as a tar of these paths.
+    script = (REPO / "docker" / "build-base.sh").read_text()
+    listed = script.split("git ls-files", 1)[1].split("|", 1)[0].split()
+    missing = [name for name in SOURCES if name not in listed]
+    assert not missing, f"docker/build-base.sh leaves {missing} out of the build context"
