@@ -50,4 +50,4 @@ def test_identity_counts_a_reset_once_and_follows_the_new_store() -> None:
     assert reason is not None and "backwards" in reason and "revision 410" in reason
     assert identity.note(header(A, M1, 3)) is None  # the new store, going forward
     assert identity.note(header(A, M2, 1)) is None  # a lagging member: no verdict
-    assert identity.resets == 1 and identity.last == Seen(A, M1, 3)
+    assert identity.resets == 1 and identity.last == Seen(A, M1, 3, 2)
