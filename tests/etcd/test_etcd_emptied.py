@@ -19,7 +19,7 @@ from elastic.errors import CheckpointError
 from elastic.etcd.client import EtcdClient, EtcdOptions, parse_endpoints
 from elastic.etcd.server import EtcdServer
 from elastic.rendezvous.fence import FenceSpec, RoundFence
-from elastic_tools.harness.cluster import LocalCluster
+from elastic_tools.harness.cluster import LocalCluster, fast_conf
 from tests.agent.jobs import Job
 from tests.helpers import wait_until
 from tests.rendezvous.test_announce import Nodes, join_all
@@ -135,3 +135,29 @@ def test_a_job_trains_on_after_etcd_restarts_empty(
         assert took < REFORM_S, f"the first step came {took:.1f} s after etcd came back"
     finally:
         assert not job.cleanup()
+
+
+def test_an_etcd_that_never_comes_back_ends_each_agent_with_one_sentence(
+    own_etcd: EtcdServer, tmp_path: Path, run_id: str
+) -> None:
+    """The case the nodes cannot recover from: etcd dies and stays down. Each agent trains on
+    for ``outage_timeout``, then ends with one sentence naming it and a non-zero exit code
+    (never 0: a job that stopped early must not look finished)."""
+    outage_s = 8.0
+    job = Job(tmp_path / "job", own_etcd.endpoint, run_id, max_steps=100_000)
+    conf = f"{fast_conf(90)},request_timeout=3,outage_timeout={outage_s:g}"
+    try:
+        for name in ("a", "b"):
+            LocalCluster.start(job, name, nnodes="2:2", overrides={}, rdzv_conf=conf)
+        job.wait_for_step(5, timeout=240)
+        own_etcd.stop(signal.SIGKILL)
+        gone = time.monotonic()
+        codes = {name: node.wait(outage_s + 120) for name, node in job.nodes.items()}
+        took = time.monotonic() - gone
+        assert all(code not in (0, None) for code in codes.values()), codes
+        for node in job.nodes.values():
+            said = [line for line in node.output().splitlines() if "outage_timeout" in line]
+            assert said and said[-1].startswith("elastic-agent: error: etcd has been"), said
+        print(f"agents exited {codes} {took:.1f} s after etcd died (outage_timeout {outage_s} s)")
+    finally:
+        job.cleanup()
