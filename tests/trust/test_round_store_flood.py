@@ -178,3 +178,59 @@ def test_a_store_filled_before_the_workers_come_does_not_stop_the_job(
         assert job.last_step() == 60
     finally:
         job.cleanup()
+
+
+def test_an_attacker_filling_every_store_it_finds_does_not_stop_the_job(
+    tmp_path: Path, etcd: EtcdServer, run_id: str
+) -> None:
+    """The red team's case 2 as it was played: the stranger fills every round's store it finds
+    as soon as it listens (up to 3), past the cap. Each filled host ends under its cap and
+    fails its round at most (here: the group had formed, trains on, and the next round gets a
+    new host); the job reaches its last step, every step (measured: the host ended after
+    251 MiB, one store filled, every step run)."""
+    job = Job(tmp_path, etcd.endpoint, run_id, max_steps=40)
+    filled: list[int] = []
+    ended: list[int] = []  # MiB written before each host ended
+    stop = threading.Event()
+
+    def attack() -> None:
+        value = "z" * (64 * 1024)
+        while not stop.is_set() and len(filled) < 3:
+            ports = [
+                p
+                for node in list(job.nodes.values())
+                if node.running()
+                for p in _store_ports(node.pid)
+                if p not in filled
+            ]
+            for port in ports:
+                filled.append(port)
+                written = 0
+                try:
+                    filler = _client(port, 10)
+                    while written < 400 * MIB:
+                        filler.set(f"fill-{written}", value)
+                        written += len(value)
+                except Exception:  # the host ended under its cap
+                    ended.append(written // MIB)
+            stop.wait(0.02)
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    try:
+        nodes = [job.start(name, nnodes="2:2", max_restarts=3) for name in ("a", "b")]
+        attacker.start()
+        for node in nodes:
+            assert node.wait(400) == 0, node.output()[-3000:]
+        steps = {e["step"] for e in job.steps()}
+        assert steps >= set(range(1, 41)), sorted(set(range(1, 41)) - steps)
+        rounds = len(job.events("rdzv.round"))
+        print(
+            f"filled {len(filled)} stores, {len(ended)} hosts ended after {ended} MiB; "
+            f"{rounds} round events; the job ran every step"
+        )
+        assert ended, "the attack ended no store host: it tested nothing"
+
+    finally:
+        stop.set()
+        attacker.join(30)
+        job.cleanup()
