@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from elastic.errors import ConfigError, EtcdConnectionError, RequestTooLargeError
-from elastic.etcd.reset import Identity
+from elastic.etcd.reset import NOTHING, Identity
 
 try:
     from etcd3 import etcdrpc
@@ -296,6 +296,7 @@ class EtcdClient:
         # The store the response headers show; told of a store that lost its data
         # (:mod:`elastic.etcd.reset`), each of these is called with the reason.
         self.identity = Identity()
+        self._sent = threading.local()  # .floor: identity.last when this thread's request went out
         self.on_reset: list[Callable[[str], None]] = []
         self._reset_at = -RESET_GRACE_S  # when a reset was told last (time.monotonic)
 
@@ -345,6 +346,7 @@ class EtcdClient:
             if conn is not None:
                 try:
                     self.requests += 1
+                    self._sent.floor = self.identity.last or NOTHING
                     result = fn(conn, max(0.05, min(cap, deadline - time.monotonic())))
                     self._ever_connected = True
                     self.note_header(getattr(result, "header", None))
@@ -365,7 +367,7 @@ class EtcdClient:
         """Check a response header against the store seen so far; True when it shows that
         etcd lost its data (a new cluster, or a revision gone backwards): the
         :attr:`on_reset` listeners have then been told."""
-        reason = self.identity.note(header)
+        reason = self.identity.note(header, getattr(self._sent, "floor", None))
         if reason is None:
             return False
         self._tell_reset(reason)

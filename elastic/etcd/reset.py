@@ -48,9 +48,14 @@ class Verdict(Enum):
     RESET = "reset"  # another store (a new cluster, or one that lost its data): start over
 
 
-def verdict(last: Seen | None, now: Seen) -> tuple[Verdict, str]:
+NOTHING = Seen(0, 0, 0)  # what a request sent before any header was seen had seen
+
+
+def verdict(last: Seen | None, now: Seen, sent: Seen | None = None) -> tuple[Verdict, str]:
     """Whether ``now`` comes from the store ``last`` came from (``last``: the highest
-    revision seen, None: nothing yet), and why.
+    revision seen, None: nothing yet), and why. ``sent``: the highest seen when the request
+    that ``now`` answers went out (None: ``last``); only a header below *that* shows a loss,
+    since answers to requests in flight at once on other threads come back in any order.
 
     * another cluster id: a new cluster (reset);
     * the same member, a lower revision or a lower raft term: that member lost its data
@@ -63,13 +68,16 @@ def verdict(last: Seen | None, now: Seen) -> tuple[Verdict, str]:
         return Verdict.SAME, "the first header seen"
     if now.cluster_id != last.cluster_id:
         return Verdict.RESET, f"the cluster id changed ({last} before, {now} now)"
+    floor = last if sent is None else sent
     same_member = now.member_id == last.member_id
-    if same_member and 0 < now.term < last.term:
-        return Verdict.RESET, f"the raft term went backwards ({last} before, {now} now)"
+    if same_member and now.member_id == floor.member_id and 0 < now.term < floor.term:
+        return Verdict.RESET, f"the raft term went backwards ({floor} before, {now} now)"
     if now.revision >= last.revision:
         return Verdict.SAME, "the revision did not go backwards"
-    if same_member:
-        return Verdict.RESET, f"the revision went backwards ({last} before, {now} now)"
+    if now.revision >= floor.revision:
+        return Verdict.LAGGING, f"an answer overtaken by a newer one ({last} seen, {now} now)"
+    if same_member and now.member_id == floor.member_id:
+        return Verdict.RESET, f"the revision went backwards ({floor} before, {now} now)"
     return Verdict.LAGGING, f"another member lags behind ({last} before, {now} now)"
 
 
@@ -85,12 +93,14 @@ class Identity:
         self.last: Seen | None = None
         self.resets = 0  # how many times etcd was seen to have lost its data
 
-    def note(self, header: Any) -> str | None:
+    def note(self, header: Any, sent: Seen | None = None) -> str | None:
+        """``sent``: :attr:`last` when the request this header answers went out (None:
+        :attr:`last` now)."""
         if header is None:
             return None
         now = Seen.of(header)
         with self._lock:
-            kind, reason = verdict(self.last, now)
+            kind, reason = verdict(self.last, now, sent)
             if kind is Verdict.LAGGING:
                 return None
             self.last = now
@@ -100,4 +110,4 @@ class Identity:
             return None
 
 
-__all__ = ["Identity", "Seen", "Verdict", "verdict"]
+__all__ = ["NOTHING", "Identity", "Seen", "Verdict", "verdict"]

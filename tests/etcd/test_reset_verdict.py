@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic.etcd.reset import Identity, Seen, Verdict, verdict
+from elastic.etcd.reset import NOTHING, Identity, Seen, Verdict, verdict
 
 A, B = 0xA, 0xB  # cluster ids
 M1, M2 = 0x1, 0x2  # member ids
@@ -39,6 +39,28 @@ def test_verdict(last: Seen | None, now: Seen, expected: Verdict, words: str) ->
 
 def header(cluster: int, member: int, revision: int) -> SimpleNamespace:
     return SimpleNamespace(cluster_id=cluster, member_id=member, revision=revision, raft_term=2)
+
+
+# (last seen, seen when the request went out, now, verdict, words): answers to requests in
+# flight at once come back in any order; only one below what its request had seen is a loss
+SENT_ROWS = [
+    (Seen(A, M1, 1724, 2), Seen(A, M1, 1716, 2), Seen(A, M1, 1720, 2), Verdict.LAGGING, "overt"),
+    (Seen(A, M1, 1724, 2), NOTHING, Seen(A, M1, 3, 2), Verdict.LAGGING, "overt"),
+    (Seen(A, M1, 1724, 2), Seen(A, M1, 1716, 2), Seen(A, M1, 3, 2), Verdict.RESET, "backwards"),
+    (Seen(A, M1, 1724, 3), Seen(A, M1, 1716, 2), Seen(A, M1, 1720, 2), Verdict.LAGGING, "overt"),
+    (Seen(A, M1, 1724, 3), Seen(A, M1, 1716, 3), Seen(A, M1, 1800, 2), Verdict.RESET, "term"),
+    (Seen(A, M1, 1724, 2), Seen(A, M1, 1716, 2), Seen(A, M1, 1730, 2), Verdict.SAME, "did not"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("last", "sent", "now", "expected", "words"), SENT_ROWS)
+def test_verdict_of_an_answer_overtaken_in_flight(
+    last: Seen, sent: Seen, now: Seen, expected: Verdict, words: str
+) -> None:
+    kind, reason = verdict(last, now, sent)
+    assert kind is expected
+    assert words in reason
 
 
 @pytest.mark.unit
