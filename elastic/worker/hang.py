@@ -94,8 +94,8 @@ def roll_call(
     With ``commits`` (every rank's :func:`commitment` of its token for this step, from its
     own record of the last step boundary) a mark counts only when its token matches its
     rank's commitment: no client of the store can plant another rank's mark. A mark once
-    seen stays counted, and this rank sets its own again at every poll: a deletion by
-    another client changes nothing."""
+    seen stays counted, and this rank sets its own again at every poll until the grace
+    ends (also once it saw every mark): a deletion by another client changes nothing."""
     prefix = f"{ARRIVED_PREFIX}/{round_}/{step}"
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + grace_s
@@ -109,7 +109,8 @@ def roll_call(
         except Exception as exc:  # the round's store closed (a new round): what was seen
             logger.info("The roll call of step %d ended early: %s", step, exc)
             deadline = 0.0
-        if len(present) == world_size or time.monotonic() >= deadline:
+        if time.monotonic() >= deadline:  # not before: a rank that saw every mark keeps
+            # setting its own for the others, whose view a deleting client may still hide
             return absent(world_size, present), min(present) == rank
         time.sleep(POLL_S)
 
