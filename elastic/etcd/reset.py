@@ -69,14 +69,14 @@ def verdict(last: Seen | None, now: Seen, sent: Seen | None = None) -> tuple[Ver
     if now.cluster_id != last.cluster_id:
         return Verdict.RESET, f"the cluster id changed ({last} before, {now} now)"
     floor = last if sent is None else sent
-    same_member = now.member_id == last.member_id
-    if same_member and now.member_id == floor.member_id and 0 < now.term < floor.term:
+    same_member = now.member_id == last.member_id == floor.member_id
+    if same_member and 0 < now.term < floor.term:
         return Verdict.RESET, f"the raft term went backwards ({floor} before, {now} now)"
     if now.revision >= last.revision:
         return Verdict.SAME, "the revision did not go backwards"
     if now.revision >= floor.revision:
         return Verdict.LAGGING, f"an answer overtaken by a newer one ({last} seen, {now} now)"
-    if same_member and now.member_id == floor.member_id:
+    if same_member:
         return Verdict.RESET, f"the revision went backwards ({floor} before, {now} now)"
     return Verdict.LAGGING, f"another member lags behind ({last} before, {now} now)"
 
