@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _SECRET_BYTES = 32
 _DOMAIN = b"elastic-checkpoint-marker-v2\0"
+_KEY_SPACE_DOMAIN = b"elastic-round-store-keys-v1\0"
 _warned = False
 
 
@@ -84,6 +85,24 @@ def shared_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
     """
     named = (os.environ if environ is None else environ).get(env.SECRET_FILE)
     return _read(Path(named)) if named else None
+
+
+def key_space(address: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The prefix of the workers' own keys in the round store at ``address``
+    (``host:port``), derived from ``$ELASTIC_SECRET_FILE``'s secret, or None without one.
+
+    A round's store is torch's TCPStore, open to whoever reaches its port; with a job
+    secret the workers keep their keys under a name only the job's members can compute,
+    so a stranger can neither plant, read nor delete them (it can still fill the store
+    until the store host's memory cap ends it, which fails that round only).
+
+    Raises:
+        ConfigError: ``$ELASTIC_SECRET_FILE`` names a file that is missing or empty.
+    """
+    shared = shared_secret(environ)
+    if shared is None:
+        return None
+    return f"elastic/{sign(shared, address.encode(), _KEY_SPACE_DOMAIN)[:32]}/"
 
 
 def sign(secret: bytes, content: bytes, domain: bytes = _DOMAIN) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from elastic import secret
 from elastic.worker.formstore import FormingStore
 
 logger = logging.getLogger(__name__)
@@ -130,9 +131,12 @@ def _made(make: Callable[[], _T]) -> _T:
         raise
 
 
-def client(host: str, port: int) -> dist.TCPStore:
-    """A client of a round's bootstrap store."""
-    return dist.TCPStore(host, port, is_master=False, timeout=_timeout, use_libuv=True)
+def client(host: str, port: int) -> dist.Store:
+    """A client of a round's bootstrap store: with a job secret, the workers' keys live
+    under a prefix only members can compute (:func:`elastic.secret.key_space`)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=_timeout, use_libuv=True)
+    space = secret.key_space(f"{host}:{port}")
+    return store if space is None else dist.PrefixStore(space, store)
 
 
 def update_ddp(model: Any) -> None:
