@@ -49,9 +49,11 @@ Small hooks into torch's agent:
   (its lowest rank leaves a request in this agent's node-local directory), the agent leaves
   the round in place as a planned leave does, sits out running a health check with back-off,
   and rejoins as a joiner once a check passes (or leaves for good after the rule's bound).
-  Without in-place workers, or with ``$ELASTIC_PROBATION=off``, it leaves the job (exit 0:
-  :class:`LeftJob`). A worker stuck inside a step that ended itself (exit 76) takes the same
-  "leave, then rejoin" path with no health check (:func:`elastic.agent.probation.sit_out_stuck`).
+  Without in-place workers, or with ``$ELASTIC_PROBATION=off``, it leaves the job: the run
+  ends with its result (exit 0) and the rendezvous stays open for the others
+  (:meth:`NodeAgent._leave_job`). A worker stuck inside a step that ended itself (exit 76)
+  takes the same "leave, then rejoin" path with no health check
+  (:func:`elastic.agent.probation.sit_out_stuck`).
 * **The tick is a pure function** (:mod:`elastic.agent.tick`): :meth:`NodeAgent._monitor_workers`
   gathers an observation, ``tick.decide`` answers with an action and a reason, and
   :meth:`NodeAgent._dispatch` does it; every side effect of a tick lives in the dispatch.
@@ -73,7 +75,7 @@ import select
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torch.distributed.elastic.agent.server.api import (
     DEFAULT_ROLE,
@@ -83,6 +85,7 @@ from torch.distributed.elastic.agent.server.api import (
 )
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from elastic import env, events
 from elastic.agent import inplace_host, jobdir, metrics, tick
@@ -103,16 +106,20 @@ LOST_PEER_GRACE_S = 3  # after a peer vanished, workers get this long to exit be
 _PEER_GONE = (ChangeKind.PEERS_LOST, ChangeKind.DROPPED)
 
 
-class LeftJob(SignalException):
-    """This node leaves the job for good on its own (dropped as a straggler without
-    probation, or probation gave up): the agent exits 0 and the others go on. torch's
-    launcher keeps the rendezvous open for them only when its agent ends with a
-    :class:`SignalException` (any other end closes it: the job is done), so this is one,
-    with the planned leave's SIGTERM; no signal was received."""
+class _KeptOpen:
+    """torch's own rendezvous handler of a node that left the job on its own: torch's
+    launcher shuts the handler down when the agent's run ends, which would close the
+    rendezvous (the job) for the others; this one leaves it open (the node's heartbeat
+    ends with the process, as a planned leave's does)."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"This node leaves the job: {reason}.", signal.SIGTERM)
-        self.reason = reason
+    def __init__(self, handler: RendezvousHandler) -> None:
+        self._handler = handler
+
+    def shutdown(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handler, name)
 
 
 class NodeAgent(LocalElasticAgent):
@@ -123,6 +130,7 @@ class NodeAgent(LocalElasticAgent):
     _frozen: FrozenWatch | None = None  # workers seen stopped (SIGSTOP), made on first use
     _probation: Probation | None = None  # with the straggler policy on (made in run)
     _request: Path | None = None  # where a dropped node's worker asks for probation
+    _left: str | None = None  # why this node left the job on its own (the run then ends)
 
     def _handler(self) -> MembershipHandler | None:
         handler = self._worker_group.spec.rdzv_handler
@@ -331,8 +339,7 @@ class NodeAgent(LocalElasticAgent):
         """Do what the tick decided; the one place its side effects live."""
         action, handler, host = decision.action, self._handler(), self._host
         if action is tick.Action.LEAVE_JOB:
-            logger.warning("%s.", decision.reason[0].upper() + decision.reason[1:])
-            raise LeftJob(decision.reason)
+            return self._leave_job(worker_group, decision.reason, left=False)
         if action is tick.Action.SIT_OUT and handler is not None and host is not None:
             if decision.checked and self._probation is not None and request is not None:
                 sat = self._probation.sit_out(
@@ -369,12 +376,12 @@ class NodeAgent(LocalElasticAgent):
 
     def _back_from_sit_out(self, worker_group: WorkerGroup, sat: SatOut) -> RunResult:
         """HEALTHY once rejoined; SUCCEEDED when the job finished meanwhile; else this node
-        leaves the job (:class:`LeftJob`)."""
+        leaves the job (:meth:`_leave_job`)."""
         if sat.ending is Ending.REJOINED:
             self._change = None
             return RunResult(state=WorkerState.HEALTHY)
         if sat.ending is Ending.LEFT:
-            raise LeftJob(sat.reason)
+            return self._leave_job(worker_group, sat.reason, left=True)
         values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
@@ -391,10 +398,38 @@ class NodeAgent(LocalElasticAgent):
         values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
 
+    def _leave_job(self, worker_group: WorkerGroup, reason: str, *, left: bool) -> RunResult:
+        """This node leaves the job for good on its own (dropped as a straggler without
+        probation, or probation gave up) while the others go on: it leaves the rendezvous
+        (unless it ``left`` already, sitting out), stops its workers and ends the run with
+        its result (exit 0); the handler keeps the rendezvous open for the others when
+        torch's launcher shuts it down, and no exit barrier waits for them."""
+        logger.warning("This node leaves the job: %s.", reason)
+        handler, host = self._handler(), self._host
+        if not left and host is not None:
+            host.leave(worker_group)
+        if not left and handler is not None and not (host is not None and host.left):
+            try:
+                handler.leave()
+            except Exception as exc:  # the others drop us at heartbeat expiry instead
+                logger.warning("Could not leave the rendezvous: %s", exc)
+        if handler is not None:
+            handler.keep_open()
+        else:  # torch's own handler: its shutdown() would close the rendezvous for all
+            spec = worker_group.spec
+            spec.rdzv_handler = cast(RendezvousHandler, _KeptOpen(spec.rdzv_handler))
+        self._left = reason
+        self._stop_workers(worker_group)
+        values: dict[int, Any] = {w.global_rank: None for w in worker_group.workers}
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=values)
+
     def _exit_barrier(self) -> None:
-        """torch's wait (up to 300 s) for every agent of the round to finish, unless our
-        workers ended in an older round than this node joined last: a join formed as the
-        job finished, and the joiner's agent would not reach the barrier in time."""
+        """torch's wait (up to 300 s) for every agent of the round to finish, unless this
+        node left the job on its own (the others go on), or our workers ended in an older
+        round than this node joined last: a join formed as the job finished, and the
+        joiner's agent would not reach the barrier in time."""
+        if self._left is not None:
+            return
         if self._probation is not None and self._probation.finished:
             return  # the job finished while this node sat out: it holds no round
         host = self._host
@@ -499,8 +534,7 @@ class NodeAgent(LocalElasticAgent):
         except SignalException as exc:
             handler = self._handler()
             if handler is not None and not (self._host is not None and self._host.left):
-                if not isinstance(exc, LeftJob):
-                    logger.warning("Received %s: leaving the rendezvous.", exc.sigval)
+                logger.warning("Received %s: leaving the rendezvous.", exc.sigval)
                 try:
                     handler.leave()
                 except Exception as leave_exc:  # the others will notice by heartbeat expiry
@@ -600,4 +634,4 @@ def install() -> None:
     launcher_api.logger.addFilter(_RedactPasswords())
 
 
-__all__ = ["LOST_PEER_GRACE_S", "WAITING_TICK_S", "LeftJob", "NodeAgent", "install"]
+__all__ = ["LOST_PEER_GRACE_S", "WAITING_TICK_S", "NodeAgent", "install"]

@@ -41,6 +41,8 @@ class Handler:
     def is_closed(self) -> bool:
         return self.closed
 
+    def keep_open(self) -> None: ...
+
     def leave(self, timeout: float = 10.0) -> None:
         if self.leave_fails:
             raise OSError("etcd is gone")

@@ -93,12 +93,22 @@ class _Handler:
 
     def __init__(self) -> None:
         self.change: MembershipChange | None = None
+        self.left, self.kept_open, self.closed_job = 0, False, False
 
     def membership_change(self) -> MembershipChange | None:
         return self.change
 
     def request_reform(self) -> None: ...
-    def leave(self, timeout: float = 10.0) -> None: ...
+    def leave(self, timeout: float = 10.0) -> None:
+        self.left += 1
+
+    def keep_open(self) -> None:
+        self.kept_open = True
+
+    def shutdown(self) -> bool:
+        self.closed_job = not self.kept_open
+        return True
+
     def record_failed_round(self) -> int | None:
         return None
 
@@ -143,3 +153,52 @@ def test_in_place_a_change_already_seen_keeps_the_interval() -> None:
     handler = _Handler()
     handler.change = MembershipChange(ChangeKind.JOINERS, 1, waiting=1)  # torch acts on it
     assert timed_wait(in_place_agent(handler), 0.3) >= 0.3
+
+
+class _TorchHandler:
+    """torch's own handler as the agent sees it: no MembershipHandler; shutdown() closes."""
+
+    def __init__(self) -> None:
+        self.closed_job = False
+
+    def shutdown(self) -> bool:
+        self.closed_job = True
+        return True
+
+    def get_run_id(self) -> str:
+        return "torch"
+
+
+def _leaving(agent: NodeAgent, *, left: bool) -> object:
+    agent._stop_workers = lambda group: None  # type: ignore[method-assign]
+    agent._host = None
+    result = agent._leave_job(agent._worker_group, "dropped as a straggler", left=left)
+    # torch's launcher then shuts the handler down, whatever the run's result
+    agent._worker_group.spec.rdzv_handler.shutdown()
+    return result
+
+
+def test_leaving_the_job_is_a_result_and_keeps_the_rendezvous_open() -> None:
+    """Leaving the job on its own (a straggler drop without probation) ends the run with a
+    result, not a signal: the node leaves its rendezvous once, and the launcher's shutdown
+    leaves the job open for the others; no exit barrier waits for them."""
+    handler = _Handler()
+    agent = in_place_agent(handler)
+    result = _leaving(agent, left=False)
+    assert result.state.name == "SUCCEEDED"  # type: ignore[attr-defined]
+    assert handler.left == 1 and handler.kept_open and not handler.closed_job
+    agent._exit_barrier()  # returns at once: the others go on (torch's would wait 300 s)
+
+
+def test_a_node_that_left_sitting_out_does_not_leave_again() -> None:
+    handler = _Handler()
+    _leaving(in_place_agent(handler), left=True)
+    assert handler.left == 0 and handler.kept_open and not handler.closed_job
+
+
+def test_with_torchs_own_handler_leaving_does_not_close_the_job() -> None:
+    torch_handler = _TorchHandler()
+    agent = in_place_agent(torch_handler)  # type: ignore[arg-type]
+    _leaving(agent, left=False)
+    assert not torch_handler.closed_job
+    assert agent._worker_group.spec.rdzv_handler.get_run_id() == "torch"

@@ -83,6 +83,7 @@ class AnnounceRendezvousHandler(RendezvousHandler):
     # form a new round's group through it: in-place re-forms (elastic.worker).
     hosts_round_store = True
     _fence = ""
+    _keep_open = False  # this node left the job on its own: shutdown() does not close it
 
     def __init__(
         self,
@@ -277,10 +278,17 @@ class AnnounceRendezvousHandler(RendezvousHandler):
         change = self.membership_change()
         return 0 if change is None else max(change.waiting, 1)
 
+    def keep_open(self) -> None:
+        """This node leaves the job on its own (the others go on): :meth:`shutdown` then
+        releases it without closing the rendezvous."""
+        self._keep_open = True
+
     def shutdown(self) -> bool:
-        """Close the rendezvous (the job is done) and release this node."""
+        """Close the rendezvous (the job is done) and release this node; only release it
+        when it left the job on its own (:meth:`keep_open`)."""
         try:
-            self.set_closed()
+            if not self._keep_open:
+                self.set_closed()
             return True
         except Exception as exc:
             logger.warning("The node '%s' could not close the rendezvous: %s", self._name, exc)
