@@ -1,6 +1,9 @@
 """Exit codes, and the re-form protocol that the worker, the agent and the handler share.
 
-A *re-form* is a change of membership that is not a failure: it costs no restart.
+A *re-form* is the group forming again after a change of membership that is not a failure: it
+spends none of the job's restarts (docs/design.md, "In-place re-forms": one word, two paths).
+This module is its restart path: the workers are stopped and started again in the new round;
+in place (:mod:`elastic.worker`) they keep their processes.
 
 1. **A planned leave.** SIGTERM reaches one node's agent. torch forwards it to that node's
    workers; ours finish the current step, save with their peers and exit :data:`OK`
