@@ -125,10 +125,10 @@ def test_a_slowed_node_is_named_and_dropped(cluster: LocalCluster, tmp_path: Pat
     print(f"named at step {d['step']} (slowed from {slow_after}), ratio {d['ratio']}")
 
 
-def _hog() -> list[subprocess.Popen[bytes]]:
-    """One busy loop per core (stopped by the caller, by PID)."""
+def _hog(per_core: int) -> list[subprocess.Popen[bytes]]:
+    """``per_core`` busy loops per core (stopped by the caller, by PID)."""
     loop = [sys.executable, "-c", "while True: pass"]
-    return [subprocess.Popen(loop) for _ in range(os.cpu_count() or 1)]
+    return [subprocess.Popen(loop) for _ in range(per_core * (os.cpu_count() or 1))]
 
 
 def _longest_streaks(steps: list[dict[str, Any]], ratio: float) -> tuple[int, float]:
@@ -158,12 +158,13 @@ def test_a_fault_free_job_beside_a_cpu_hog_names_nobody(
     busy with a hog: nobody is named or dropped, every step runs once, all exit 0."""
     from tests.recovery.test_inplace import _check_result, _reference
 
-    epochs = 4  # 80 steps
+    epochs = 6  # 120 steps
     out, ref = tmp_path / "out", tmp_path / "ref"
     _reference(ref, epochs)
-    worker = [str(Path(__file__)), *_args(out, epochs), "--step-delay=0.05"]
+    # each step ~0.02 s of sleep and ~20 ms of CPU work (matrix products), which the hog slows
+    worker = [str(Path(__file__)), *_args(out, epochs), "--step-delay=0.02", "--step-work=150"]
     extra = {"ELASTIC_STRAGGLER_DROP": "on"}
-    hogs = _hog()
+    hogs = _hog(4)  # load ~12 on 2 cores, as the runs that named a healthy node
     try:
         nodes = [
             cluster.start(name, worker=worker, extra_env=extra, nnodes="2:3") for name in "abc"
@@ -184,9 +185,13 @@ def test_a_fault_free_job_beside_a_cpu_hog_names_nobody(
     assert all(e["world_size"] == 3 for e in steps[full:]), "a node left the job"
     _check_result(cluster, out, ref, epochs)
     streak, seconds = _longest_streaks(steps, 2.0)
+    worst = max((r for e in steps for _, r in e.get("slowest", [])), default=0.0)
+    compute = sorted(t for e in steps for t in e.get("compute_s", []))
     print(
-        f"{len(steps)} steps beside {len(hogs)} hogs, load {load:.1f}: longest run of steps "
-        f"above 2x the median {streak} ({seconds:.2f} s of compute); nobody named"
+        f"{len(steps)} steps beside {len(hogs)} hogs, load {load:.1f}: compute median "
+        f"{statistics.median(compute):.3f} s, max {compute[-1]:.3f} s; worst ratio {worst}; "
+        f"longest run of steps above 2x the median {streak} ({seconds:.2f} s of compute); "
+        "nobody named"
     )
 
 
