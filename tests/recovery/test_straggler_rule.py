@@ -436,3 +436,9 @@ def test_a_rank_claiming_another_nodes_id_cannot_drop_it(
         run.step = step
         times.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, liar))
     assert len(asked) == 1
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", "1e8"])
+def test_a_bad_min_slow_s_is_a_sentence(raw: str) -> None:
+    with pytest.raises(ConfigError, match=r"straggler\.min_slow_s \(--straggler-min-slow-s"):
+        straggler.options_from_env({"ELASTIC_STRAGGLER_MIN_SLOW_S": raw})
