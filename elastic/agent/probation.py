@@ -240,7 +240,7 @@ class Probation:
         self.count = 0  # probations so far in this job
         self.finished = False  # the job finished while this node sat out
         self._sampling = False  # a baseline probe runs (its thread)
-        self._sampled: tuple[int, int, float] | None = None  # (generation, round, seconds)
+        self._sampled: list[tuple[int, int, float]] = []  # (generation, round, seconds)
         self._generation = 0  # a sit-out discards the probe in flight
 
     @classmethod
@@ -277,16 +277,18 @@ class Probation:
             except Exception as exc:  # a probe of the user's: never ends the agent
                 logger.warning("The probation probe failed while timing its baseline: %s", exc)
                 seconds = math.inf
-            self._sampled = (generation, round_, seconds)
+            self._sampled.append((generation, round_, seconds))
             self._sampling = False
 
         self.spawn(sample)
 
     def _collect(self, running: int | None, run_id: str) -> None:
-        sampled, self._sampled = self._sampled, None
-        if sampled is None:
-            return
-        generation, round_, seconds = sampled
+        while self._sampled:
+            self._keep(*self._sampled.pop(0), running, run_id)
+
+    def _keep(
+        self, generation: int, round_: int, seconds: float, running: int | None, run_id: str
+    ) -> None:
         if generation != self._generation or round_ != running:
             logger.info("A baseline probe spanned a re-form or a drop; it is not kept.")
             return
