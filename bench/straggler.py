@@ -11,6 +11,10 @@ under ``--nodes`` local ``elastic-agent`` nodes on an embedded etcd, three times
   its readings depend on where the stops land, see tests/recovery/test_straggler.py);
 * ``on``: the same with ``ELASTIC_STRAGGLER=X,K``: the node is named and dropped in place.
 
+Every run sets ``ELASTIC_STRAGGLER_MIN_SLOW_S`` to ``--min-slow-s`` (0.2 s: the K slow steps
+of ~0.1 s cross it, so K decides, as before that option; its default, 10 s, would name the
+node only some 100 steps after the slowing).
+
 Prints JSON: steps per second of each phase (healthy, slowed, after the drop: from 10 steps
 after the first step without the node), the steps from the slowing to ``straggler.detected``,
 the seconds from it to the first step without the node, the ratio reported, the settings, the
@@ -74,6 +78,7 @@ def one(
         f"--step-work={a.step_work}",
     ]
     extra = {"ELASTIC_STRAGGLER_MIN_NODES": "2", "ELASTIC_PROBATION": "off"}  # no rejoin
+    extra["ELASTIC_STRAGGLER_MIN_SLOW_S"] = str(a.min_slow_s)
     if policy:
         extra["ELASTIC_STRAGGLER"] = policy
     cluster = LocalCluster(
@@ -153,6 +158,9 @@ def main() -> int:
     p.add_argument("--stop-ms", type=float, default=20.0)
     p.add_argument("--run-ms", type=float, default=10.0)
     p.add_argument("--policy", default="2,3", help="ELASTIC_STRAGGLER for the 'on' run")
+    p.add_argument(
+        "--min-slow-s", type=float, default=0.2, help="ELASTIC_STRAGGLER_MIN_SLOW_S (every run)"
+    )
     p.add_argument(
         "--mode",
         choices=("work", "signal"),

@@ -40,6 +40,9 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "agent too slow to renew it): its round goes on without it and it rejoins: node",
         "node.probation": "a node dropped as a straggler left its round in place and sits out: "
         "step, ratio, median_s, baseline_s, next check",
+        "probation.baseline": "with the straggler policy on, a node timed its health check's "
+        "probe while it trained steadily (its round in place): one of the probes whose median "
+        "is the healthy time a check is held to: run_id, round, seconds, samples, baseline_s",
         "probation.check": "a node on probation timed its health check: seconds, baseline_s, "
         "passed, failures, next check",
         "node.rejoin": "a node back from probation joined a round again: round, world_size, "
@@ -87,8 +90,10 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "ends (elastic.worker.agreement): step, reason",
         # elastic.worker.timing, elastic.worker.hang (slow and stuck ranks)
         "straggler.detected": "rank 0: a node ran slower than threshold times the median for "
-        "steps consecutive steps: step, node, ranks, rank (its first), ratio, steps, "
-        "threshold, policy (whether it is dropped), median_s (the ranks' median compute time)",
+        "steps consecutive steps and slow_s seconds of its compute time (at least "
+        "straggler.steps and straggler.min_slow_s): step, node, ranks, rank (its first), "
+        "ratio, steps, slow_s, threshold, policy (whether it is dropped), median_s (the "
+        "ranks' median compute time)",
         "straggler.dropped": "rank 0: the straggler policy drops a node in place (its agent "
         "leaves the job): step, node, ranks, ratio, reason, median_s",
         "worker.hang.peers": "the ranks waiting in a step past the hang bound named those that "

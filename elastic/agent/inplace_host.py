@@ -180,6 +180,10 @@ class InPlaceHost:
         )
         self._report(current if settled else None)
 
+    def running_round(self) -> int | None:
+        """The round every local worker runs in place, as last reported (None: none)."""
+        return self._reported
+
     def _report(self, round_: int | None) -> None:
         if round_ != self._reported:
             self._reported = round_

@@ -371,6 +371,8 @@ class NodeAgent(LocalElasticAgent):
         if host is not None:
             host.ask_for_round_if_wanted(worker_group)
             host.report_round(worker_group)  # the closer's in-place rule
+            if self._probation is not None:  # its baseline, timed while training is steady
+                self._probation.observe(host.running_round(), handler.get_run_id())
         self._note_change(handler)  # torch then asks num_nodes_waiting() and restarts
         return result
 
@@ -527,7 +529,7 @@ class NodeAgent(LocalElasticAgent):
 
     def run(self, role: str = "default") -> Any:
         _prepare_node()
-        self._probation = Probation.from_env()  # times the health check while healthy
+        self._probation = Probation.from_env()  # its baseline: timed while training
         self._request = request_path(os.getpid())
         try:
             return super().run(role)

@@ -11,7 +11,7 @@ node-local directory), the agent does not exit. :meth:`Probation.sit_out`:
    small MLP's forward and backward on the CPU, in the agent's process), or the command in
    ``$ELASTIC_PROBATION_PROBE`` (its last line of output, if a number, is the seconds its
    work took; else its wall time; a non-zero exit or a run past :data:`PROBE_TIMEOUT_S` fails
-   the check), compared with the same probe timed as the agent started;
+   the check), compared with the same probe's healthy time (its *baseline*, below);
 3. rejoins once a check passes (event ``node.rejoin``): the agent runs the rendezvous again
    as a joiner and starts fresh workers, which take the group's state from a peer; or, after
    the rule's bound of failed checks, leaves the job for good (event ``probation.gave_up``,
@@ -22,6 +22,11 @@ a probation with no health check (:func:`sit_out_stuck`): it leaves its round at
 local workers are stopped, not told), so that the others go on without it, and rejoins
 :data:`STUCK_REJOIN_S` later. Both go through :func:`leave_then_rejoin`, and both answer
 with a :class:`SatOut`: the agent rejoined, found the job finished, or leaves the job.
+
+The baseline is timed while the node trains steadily (:meth:`Probation.observe`, each
+healthy tick; the rule: :func:`elastic.worker.probation.baseline_due`), in a thread so that a
+probe never holds up the agent's tick (event ``probation.baseline`` per probe). It includes the
+load of the node's own training, which a check (its workers gone) does not carry.
 
 A stop signal during probation ends the agent as a planned leave does (exit 0); a job that
 finishes meanwhile (its rendezvous closed) ends it with 0 too.
@@ -36,6 +41,7 @@ import os
 import shlex
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,7 +56,7 @@ from elastic.agent.inplace_host import InPlaceHost
 from elastic.node import nodelocal, procs
 from elastic.rendezvous.contract import MembershipHandler
 from elastic.worker import probation, straggler
-from elastic.worker.probation import Action, History, Request
+from elastic.worker.probation import Action, Baseline, History, Request
 
 logger = logging.getLogger(__name__)
 
@@ -209,9 +215,14 @@ def probe_from_env(environ: Mapping[str, str] | None = None) -> Callable[[], flo
     return builtin_workload
 
 
+def in_thread(work: Callable[[], None]) -> None:
+    """Run ``work`` in a daemon thread (a baseline probe, off the agent's tick)."""
+    threading.Thread(target=work, name="probation-baseline", daemon=True).start()
+
+
 class Probation:
-    """One agent's probations: the baseline taken as it starts, then :meth:`sit_out` each
-    time its node is dropped."""
+    """One agent's probations: the baseline timed while training is steady
+    (:meth:`observe`), then :meth:`sit_out` each time its node is dropped."""
 
     def __init__(
         self,
@@ -219,30 +230,84 @@ class Probation:
         probe: Callable[[], float],
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        spawn: Callable[[Callable[[], None]], None] = in_thread,
     ) -> None:
         self.options = options
         self.probe = probe
-        self.clock, self.sleep = clock, sleep
-        self.baseline_s: float | None = None
+        self.clock, self.sleep, self.spawn = clock, sleep, spawn
+        self.baseline = Baseline()
+        self.baseline_s: float | None = None  # the baseline's seconds (None: none yet)
         self.count = 0  # probations so far in this job
         self.finished = False  # the job finished while this node sat out
+        self._sampling = False  # a baseline probe runs (its thread)
+        self._sampled: list[tuple[int, int, float]] = []  # (generation, round, seconds)
+        self._generation = 0  # a sit-out discards the probe in flight
 
     @classmethod
     def from_env(cls) -> Probation | None:
-        """With the straggler policy on and probation not off: one, its baseline timed now
-        (``$ELASTIC_PROBATION``, ``$ELASTIC_PROBATION_PROBE``); else None."""
+        """With the straggler policy on and probation not off: one (``$ELASTIC_PROBATION``,
+        ``$ELASTIC_PROBATION_PROBE``); else None. Its baseline is timed later, while the
+        node trains steadily (:meth:`observe`)."""
         options = probation.options_from_env()
         if not (straggler.options_from_env().drop and options.enabled):
             return None
-        made = cls(options, probe_from_env())
-        made.take_baseline()
-        return made
+        return cls(options, probe_from_env())
 
-    def take_baseline(self) -> None:
-        """Time the probe on this node while it is healthy (as the agent starts)."""
-        seconds = self.probe()
-        self.baseline_s = seconds if math.isfinite(seconds) else None
-        logger.info("The probation probe's healthy time on this node: %s s.", self.baseline_s)
+    # -- the baseline, while the node trains --------------------------------------------
+
+    def observe(self, running: int | None, run_id: str = "") -> None:
+        """One healthy tick: ``running`` is the round this node's workers run in place
+        (None: not now). Keep a baseline probe that finished in the same round, then start
+        the next when :func:`elastic.worker.probation.baseline_due` says (``spawn``: in a
+        thread, so that a probe never holds up the tick)."""
+        self._collect(running, run_id)
+        if self._sampling or self.baseline.done:
+            return
+        decision = probation.baseline_due(self.baseline, running, self.clock())
+        self.baseline = decision.baseline
+        if not decision.probe or running is None:
+            return
+        logger.info("Probation baseline: %s.", decision.reason)
+        self._sampling = True
+        generation, round_ = self._generation, running
+
+        def sample() -> None:
+            try:
+                seconds = self.probe()
+            except Exception as exc:  # a probe of the user's: never ends the agent
+                logger.warning("The probation probe failed while timing its baseline: %s", exc)
+                seconds = math.inf
+            self._sampled.append((generation, round_, seconds))
+            self._sampling = False
+
+        self.spawn(sample)
+
+    def _collect(self, running: int | None, run_id: str) -> None:
+        while self._sampled:
+            self._keep(*self._sampled.pop(0), running, run_id)
+
+    def _keep(
+        self, generation: int, round_: int, seconds: float, running: int | None, run_id: str
+    ) -> None:
+        if generation != self._generation or round_ != running:
+            logger.info("A baseline probe spanned a re-form or a drop; it is not kept.")
+            return
+        self.baseline = self.baseline.with_sample(seconds)
+        self.baseline_s = self.baseline.seconds
+        logger.info(
+            "Probation baseline probe %d: %s s (the baseline: %s s).",
+            len(self.baseline.samples),
+            _rounded(seconds),
+            _rounded(self.baseline_s),
+        )
+        events.emit(
+            "probation.baseline",
+            run_id=run_id,
+            round=round_,
+            seconds=_rounded(seconds),
+            samples=len(self.baseline.samples),
+            baseline_s=_rounded(self.baseline_s),
+        )
 
     # -- one probation -------------------------------------------------------------------
 
@@ -260,6 +325,7 @@ class Probation:
         for good (:attr:`Ending.LEFT`, the rule's bound: the agent ends as a planned leave
         does, exit 0)."""
         self.count += 1
+        self._generation += 1  # a baseline probe in flight ran on a slow node: not kept
         run_id = handler.get_run_id()
         history = History(self.clock(), self.baseline_s, self.count)
         first = probation.decide(history, None, self.clock(), self.options)
@@ -400,6 +466,7 @@ __all__ = [
     "Probation",
     "SatOut",
     "builtin_workload",
+    "in_thread",
     "leave_then_rejoin",
     "probe_from_env",
     "request_path",

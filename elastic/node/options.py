@@ -61,6 +61,9 @@ class StragglerOptions(_Group):
     )
     ratio: float = Field(2.0, gt=1, le=1000, description="slow: slower than this x the median")
     steps: int = Field(5, ge=1, le=1_000_000, description="for this many consecutive steps")
+    min_slow_s: float = Field(
+        10.0, ge=0, le=1e7, description="and for at least this many s of its compute time"
+    )
     min_nodes: int = Field(
         1, ge=1, le=1_000_000, description="never drop below this many nodes (agent: --nnodes MIN)"
     )

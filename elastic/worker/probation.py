@@ -6,11 +6,17 @@ health check (:mod:`elastic.agent.probation` runs the probe), and rejoins once a
 passes. :func:`decide` is the rule, a pure function of (history, measurement, now):
 
 * The first check runs ``first_s`` after the node left.
-* A check **passes** when the probe took at most ``pass_ratio`` times its *baseline* (the
-  same probe timed when the node was healthy, as its agent started): the node rejoins (it
-  announces itself again as a joiner and takes the group's state from a peer). A probe that
-  failed or ran past its timeout is a failed check (``inf`` seconds). Without a baseline (its
-  probe failed at the start) a probe that completes passes.
+* A check **passes** when the probe took at most ``pass_ratio`` times its *baseline*: the
+  node rejoins (it announces itself again as a joiner and takes the group's state from a
+  peer). A probe that failed or ran past its timeout is a failed check (``inf`` seconds).
+  Without a baseline (none taken yet, or its probes failed) a probe that completes passes.
+* The **baseline** is the same probe timed while the node trains steadily, not as its
+  agent starts (then the node's agents and workers import torch and the probe read 0.22-0.40
+  s against 0.09-0.18 s later, so every check passed): :func:`baseline_due` takes
+  :data:`BASELINE_SAMPLES` probes, :data:`BASELINE_GAP_S` apart, once the node's round has
+  run in place for :data:`BASELINE_SETTLE_S` (its workers registered, none waiting for a
+  new round); a re-form starts that wait anew. The baseline is their median, taken once per
+  agent (a node back from probation keeps it).
 * A **failed** check waits before the next: ``first_s`` doubled after each failed check
   (10, 20, 40 s ... with the defaults), at most ``cap_s``. After ``max_failures`` failed
   checks the node leaves the job for good.
@@ -28,8 +34,9 @@ import contextlib
 import enum
 import json
 import math
+import statistics
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from elastic import env
@@ -44,6 +51,9 @@ DEFAULT_CAP_S = 60.0
 DEFAULT_MAX_FAILURES = 5
 DEFAULT_PASS_RATIO = 1.5
 DEFAULT_MAX_PROBATIONS = 3
+BASELINE_SETTLE_S = 5.0  # training is steady this long after its round runs in place
+BASELINE_SAMPLES = 3  # the baseline is the median of this many probes
+BASELINE_GAP_S = 1.0  # between the starts of two of them
 
 
 class Action(enum.Enum):
@@ -138,6 +148,60 @@ def decide(history: History, measurement: float | None, now: float, options: Opt
     return Decision(Action.WAIT, f"{why}; next check in {wait:g} s", now + wait, after)
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """The probe's healthy time on this node, sampled once training is steady."""
+
+    round: int | None = None  # the round last seen running in place; None: none
+    steady_since: float | None = None  # when it was first seen so (the caller's clock)
+    samples: tuple[float, ...] = ()  # the probes' seconds (inf: one failed)
+    last_at: float | None = None  # when the last probe started
+
+    @property
+    def done(self) -> bool:
+        return len(self.samples) >= BASELINE_SAMPLES
+
+    @property
+    def seconds(self) -> float | None:
+        """The median of the probes that completed; None before one did."""
+        finite = [t for t in self.samples if math.isfinite(t)]
+        return statistics.median(finite) if finite else None
+
+    def with_sample(self, seconds: float) -> Baseline:
+        return replace(self, samples=(*self.samples, seconds))
+
+
+@dataclass(frozen=True)
+class BaselineDecision:
+    probe: bool  # time the probe now (a sample of the baseline)
+    reason: str
+    baseline: Baseline  # with this look's round, and last_at when it probes
+
+
+def baseline_due(baseline: Baseline, running: int | None, now: float) -> BaselineDecision:
+    """Whether to time a baseline probe now: ``running`` is the round this node's workers
+    run in place (None: not now: they start, re-form, or wait for a round)."""
+    if baseline.done:
+        return BaselineDecision(False, "the baseline is taken", baseline)
+    if running is None:
+        after = replace(baseline, round=None, steady_since=None)
+        return BaselineDecision(False, "the workers do not run in place now", after)
+    if running != baseline.round or baseline.steady_since is None:
+        after = replace(baseline, round=running, steady_since=now)
+        return BaselineDecision(False, f"round {running} runs in place from now", after)
+    steady = now - baseline.steady_since
+    if steady < BASELINE_SETTLE_S:
+        reason = f"round {running} has run in place {steady:.1f} s of {BASELINE_SETTLE_S:g}"
+        return BaselineDecision(False, reason, baseline)
+    if baseline.last_at is not None and now - baseline.last_at < BASELINE_GAP_S:
+        return BaselineDecision(False, "the last probe is too recent", baseline)
+    reason = (
+        f"training has run steadily for {steady:.1f} s: probe "
+        f"{len(baseline.samples) + 1} of {BASELINE_SAMPLES}"
+    )
+    return BaselineDecision(True, reason, replace(baseline, last_at=now))
+
+
 def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
     """The ``probation`` options (:mod:`elastic.node.options`: ``$ELASTIC_PROBATION_ENABLED``,
     ``_FIRST_S``, ``_CAP_S``, ``_MAX_FAILURES``; the old ``$ELASTIC_PROBATION=off`` or
@@ -196,13 +260,19 @@ def take_request(owner: int, base: str = nodelocal.DEFAULT_BASE) -> Request | No
 
 
 __all__ = [
+    "BASELINE_GAP_S",
+    "BASELINE_SAMPLES",
+    "BASELINE_SETTLE_S",
     "Action",
+    "Baseline",
+    "BaselineDecision",
     "Check",
     "Decision",
     "History",
     "Options",
     "Request",
     "backoff",
+    "baseline_due",
     "decide",
     "options_from_env",
     "passes",

@@ -89,8 +89,9 @@ class Run:
             (torchtitan, an earlier run of yours): a job with no state of its own yet
             starts from its model and optimizer (what it lacks, e.g. a data position, is
             logged and starts fresh). Default: ``checkpoint.init_from``.
-        straggler: the straggler options (``drop``, ``ratio``, ``steps``, ``min_nodes``,
-            ``window_s``: :class:`elastic.node.options.StragglerOptions`), a dict or the model,
+        straggler: the straggler options (``drop``, ``ratio``, ``steps``, ``min_slow_s``,
+            ``min_nodes``, ``window_s``: :class:`elastic.node.options.StragglerOptions`), a
+            dict or the model,
             over ``$ELASTIC_STRAGGLER_*``. A bad value raises ``ConfigError``.
         hang: the stuck-step check (``enabled``, ``floor_s``, ``multiple``), likewise over
             ``$ELASTIC_HANG_*``.

@@ -11,10 +11,18 @@ The rule:
 
 * A rank's **ratio** is its compute time over the median of the ranks'; a node's is its
   slowest rank's time over the median of the nodes' (the unit that is dropped is a node).
-* A node is **slow** at a step when its ratio exceeds ``ratio`` (X). After ``steps`` (K)
-  consecutive slow steps it is **detected** (event ``straggler.detected``, once per
-  crossing). A step some rank did not measure (the first one, the one after a re-form or
-  a join) starts the counts anew: the group changed, and a joiner has no counts to keep.
+* A node is **slow** at a step when its ratio exceeds ``ratio`` (X). It is **detected**
+  (event ``straggler.detected``, once per crossing) when it has been slow for at least
+  ``steps`` (K) consecutive steps *and* at least ``min_slow_s`` (T) seconds: the sum of its
+  compute times (its slowest rank's) over those steps. Steps alone are not time: on a
+  loaded host a scheduler hiccup makes 5 steps of 60 ms slow, 0.3 s, and a GC pause or a
+  save makes one long step; the default T (:data:`DEFAULT_MIN_SLOW_S`, 10 s) is more than a
+  2 s GC pause, a save of a few seconds or a burst of hiccups adds up to, while a node that
+  is really slower is slow for as long as it runs. The seconds are summed from the step's
+  figures, which every rank holds alike, not read from a clock, so every rank names the
+  node at the same step. A step some rank did not measure (the first one, the one after a
+  re-form or a join) starts the counts anew: the group changed, and a joiner has no counts
+  to keep.
 * With fewer than :data:`MIN_NODES_TO_NAME` nodes nothing is named: the median of two
   nodes is their mean, which cannot say which of the two is slow (one at half speed and
   one at full speed read 1.33 and 0.67, or, on a loaded host, the other way round).
@@ -58,6 +66,7 @@ MIN_NODES_ENV = env.STRAGGLER_MIN_NODES  # never drop below this many nodes
 HANG_ENV = env.HANG  # the old packed spelling (elastic.node.options)
 DEFAULT_RATIO = 2.0
 DEFAULT_STEPS = 5
+DEFAULT_MIN_SLOW_S = 10.0
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_HANG_FLOOR_S = 60.0
 DEFAULT_HANG_MULTIPLE = 10.0
@@ -70,6 +79,7 @@ class Options:
     drop: bool = False  # the policy: drop a detected node in place
     min_nodes: int = 1  # never drop below this many nodes
     window_s: float = DEFAULT_WINDOW_S  # at most one drop per window
+    min_slow_s: float = DEFAULT_MIN_SLOW_S  # T: and for at least T s of its compute time
 
 
 @dataclass(frozen=True)
@@ -89,16 +99,20 @@ class State:
 
     streaks: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
     last_drop: float | None = None  # when (the caller's clock) a node was last dropped
+    # per node: its compute seconds summed over its streak's steps
+    slow_s: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
 class Slow:
-    """A node slower than X times the median for ``steps`` consecutive steps."""
+    """A node slower than X times the median for ``steps`` consecutive steps, which took
+    ``seconds`` of its compute time."""
 
     node: int
     ranks: tuple[int, ...]
     ratio: float
     steps: int
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -139,20 +153,33 @@ def decide(view: View, state: State, now: float, options: Options) -> Decision:
         return Decision(per_rank, (), None, reason, State(MappingProxyType({}), state.last_drop))
     order = sorted(nodes)
     node_ratio = dict(zip(order, ratios(tuple(nodes[n][0] for n in order)), strict=True))
-    streaks = {
-        n: state.streaks.get(n, 0) + 1 if node_ratio[n] > options.ratio else 0 for n in order
-    }
+    streaks: dict[int, int] = {}
+    slow_s: dict[int, float] = {}
+    for n in order:
+        if node_ratio[n] > options.ratio:
+            streaks[n] = state.streaks.get(n, 0) + 1
+            slow_s[n] = state.slow_s.get(n, 0.0) + nodes[n][0]
+        else:
+            streaks[n], slow_s[n] = 0, 0.0
     slow = [
-        Slow(n, nodes[n][1], round(node_ratio[n], 3), streaks[n])
+        Slow(n, nodes[n][1], round(node_ratio[n], 3), streaks[n], round(slow_s[n], 3))
         for n in order
-        if streaks[n] >= options.steps
+        if named(streaks[n], slow_s[n], options)
     ]
-    detected = tuple(s for s in slow if s.steps == options.steps)
-    kept = State(MappingProxyType(streaks), state.last_drop)
+    before = {n: named(state.streaks.get(n, 0), state.slow_s.get(n, 0.0), options) for n in order}
+    detected = tuple(s for s in slow if not before[s.node])
+    kept = State(MappingProxyType(streaks), state.last_drop, MappingProxyType(slow_s))
     if not slow:
-        return Decision(per_rank, (), None, f"no node above {options.ratio:g}x the median", kept)
+        reason = (
+            f"no node above {options.ratio:g}x the median for {options.steps} steps and "
+            f"{options.min_slow_s:g} s"
+        )
+        return Decision(per_rank, (), None, reason, kept)
     worst = max(slow, key=lambda s: s.ratio)
-    what = f"node {worst.node} at {worst.ratio:g}x the median for {worst.steps} steps"
+    what = (
+        f"node {worst.node} at {worst.ratio:g}x the median for {worst.steps} steps "
+        f"({worst.seconds:g} s)"
+    )
     if not options.drop:
         return Decision(per_rank, detected, None, f"{what}; the policy is off", kept)
     if len(nodes) - 1 < options.min_nodes:
@@ -164,6 +191,12 @@ def decide(view: View, state: State, now: float, options: Options) -> Decision:
         return Decision(per_rank, detected, None, reason, kept)
     dropped = State(MappingProxyType({}), now)
     return Decision(per_rank, detected, worst, f"{what}: it is dropped", dropped)
+
+
+def named(streak: int, slow_s: float, options: Options) -> bool:
+    """Whether a node slow for ``streak`` consecutive steps, ``slow_s`` seconds of its
+    compute time, is a straggler: at least K steps and at least T seconds."""
+    return streak >= options.steps and slow_s >= options.min_slow_s
 
 
 def last_drop_age(view: View, state: State, now: float) -> float | None:
@@ -184,9 +217,10 @@ def hang_bound(recent_steps_s: tuple[float, ...], floor_s: float, multiple: floa
 
 def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
     """The ``straggler`` options (:mod:`elastic.node.options`: ``$ELASTIC_STRAGGLER_DROP``,
-    ``_RATIO``, ``_STEPS``, ``_MIN_NODES``, ``_WINDOW_S``; the old ``$ELASTIC_STRAGGLER=X,K``
-    with a warning). The policy drops a node slower than ``ratio`` x the median for
-    ``steps`` consecutive steps when ``drop`` is on; else detection only.
+    ``_RATIO``, ``_STEPS``, ``_MIN_SLOW_S``, ``_MIN_NODES``, ``_WINDOW_S``; the old
+    ``$ELASTIC_STRAGGLER=X,K`` with a warning). The policy drops a node slower than ``ratio``
+    x the median for ``steps`` consecutive steps and ``min_slow_s`` seconds when ``drop`` is
+    on; else detection only.
 
     Raises:
         ConfigError: a value the option does not accept.
@@ -195,7 +229,9 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> Options:
 
 
 def from_model(given: node_options.StragglerOptions) -> Options:
-    return Options(given.ratio, given.steps, given.drop, given.min_nodes, given.window_s)
+    return Options(
+        given.ratio, given.steps, given.drop, given.min_nodes, given.window_s, given.min_slow_s
+    )
 
 
 def hang_from_env(environ: Mapping[str, str] | None = None) -> tuple[float, float] | None:
@@ -230,6 +266,7 @@ __all__ = [
     "hang_bound",
     "hang_from_env",
     "last_drop_age",
+    "named",
     "options_from_env",
     "ratios",
 ]

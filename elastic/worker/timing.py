@@ -115,6 +115,7 @@ class StepTimes:
                     rank=slow.ranks[0],
                     ratio=slow.ratio,
                     steps=slow.steps,
+                    slow_s=slow.seconds,
                     threshold=self.options.ratio,
                     policy=self.options.drop,
                     median_s=round(statistics.median(view.compute), 6),

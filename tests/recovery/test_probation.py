@@ -16,9 +16,11 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from elastic.worker.probation import BASELINE_SAMPLES
 from elastic_tools.harness.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -46,6 +48,7 @@ def test_a_dropped_node_checks_its_health_and_rejoins(
     probe = f"{sys.executable} -c {shlex.quote(PROBE)} {slow}"
     extra = {
         "ELASTIC_STRAGGLER": f"2,{k}",
+        "ELASTIC_STRAGGLER_MIN_SLOW_S": "0.3",  # K slow steps (3 x 0.15 s) cross it
         "ELASTIC_PROBATION": "1,2,4",  # first check after 1 s, back-off 2 s, 4 failures
         "ELASTIC_PROBATION_PROBE": probe,
     }
@@ -61,6 +64,10 @@ def test_a_dropped_node_checks_its_health_and_rejoins(
         lambda: [e for e in cluster.steps() if e["world_size"] == 3 and e["step"] >= 8],
         "step 8 at world 3",
         120,
+    )
+    # each node times its healthy baseline once its round has run in place a while
+    baselines = cluster.wait_for(
+        lambda: _complete(cluster.events("probation.baseline"), 3), "3 baselines", 90
     )
     slow.touch()
     entered = cluster.wait_for(lambda: cluster.events("node.probation"), "node.probation", 60)[0]
@@ -81,6 +88,10 @@ def test_a_dropped_node_checks_its_health_and_rejoins(
     assert len(dropped) == 1 and dropped[0]["ratio"] > 2, dropped
     assert entered["pid"] == nodes["c"].pid and entered["ratio"] > 2, entered
     assert failed["seconds"] > 2 * failed["baseline_s"] and failed["next_check_in"] == 2, failed
+    ours = [e for e in baselines if e["pid"] == nodes["c"].pid]
+    assert failed["baseline_s"] == ours[-1]["baseline_s"] < 0.2, (failed, ours)
+    first_step = min(e["ts"] for e in cluster.steps())
+    assert all(e["ts"] > first_step for e in baselines), "a baseline probe before training"
     passed = [e for e in cluster.events("probation.check") if e["passed"]]
     assert len(passed) == 1 and passed[0]["ts"] < rejoined["ts"], passed
     assert rejoined["world_size"] == 3 and rejoined["pid"] == nodes["c"].pid, rejoined
@@ -98,6 +109,12 @@ def test_a_dropped_node_checks_its_health_and_rejoins(
     )
 
 
+def _complete(baselines: list[dict[str, Any]], nodes: int) -> list[dict[str, Any]]:
+    """``baselines`` once ``nodes`` agents each took every baseline probe; else empty."""
+    done = {e["pid"] for e in baselines if e["samples"] == BASELINE_SAMPLES}
+    return baselines if len(done) >= nodes else []
+
+
 @pytest.mark.timeout(180)
 def test_a_node_that_fails_its_checks_leaves_for_good(
     cluster: LocalCluster, tmp_path: Path
@@ -112,7 +129,11 @@ def test_a_node_that_fails_its_checks_leaves_for_good(
     out, ref = tmp_path / "out", tmp_path / "ref"
     _reference(ref, epochs)
     worker = [str(STRAGGLER), *_args(out, epochs), "--step-delay=0.05"]
-    extra = {"ELASTIC_STRAGGLER": "2,3", "ELASTIC_PROBATION": "1,1,1"}
+    extra = {
+        "ELASTIC_STRAGGLER": "2,3",
+        "ELASTIC_STRAGGLER_MIN_SLOW_S": "0.3",
+        "ELASTIC_PROBATION": "1,1,1",
+    }
     failing = f"{sys.executable} -c {shlex.quote('raise SystemExit(1)')}"
     slowed = {**extra, SLOW_ENV: "3,8", "ELASTIC_PROBATION_PROBE": failing}
     nodes = {

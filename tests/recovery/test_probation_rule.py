@@ -255,3 +255,104 @@ def test_sit_out_ends_when_the_job_finishes() -> None:
         lambda g: None,
     )
     assert sat.ending is Ending.FINISHED and sitter.finished and ran == []
+
+
+# -- the baseline: timed while training is steady --------------------------------------------
+
+SETTLE, GAP, N = probation.BASELINE_SETTLE_S, probation.BASELINE_GAP_S, probation.BASELINE_SAMPLES
+
+
+def _looks(looks: list[tuple[float, int | None]]) -> list[float]:
+    """Feed ``(now, running round)`` looks to :func:`probation.baseline_due`, each probe
+    taking 0.1 s; the times at which it said to probe."""
+    baseline, probed = probation.Baseline(), []
+    for now, running in looks:
+        decision = probation.baseline_due(baseline, running, now)
+        baseline = decision.baseline
+        if decision.probe:
+            probed.append(now)
+            baseline = baseline.with_sample(0.1)
+    return probed
+
+
+@pytest.mark.parametrize(
+    ("looks", "probed"),
+    [
+        # as the agent starts (no round in place yet) nothing; then SETTLE s after the round
+        # runs in place, N probes GAP s apart, then never again
+        (
+            [(t * 0.5, None if t < 4 else 1) for t in range(60)],
+            [2 + SETTLE + i * GAP for i in range(N)],
+        ),
+        # a re-form (round 1 -> 2) before the settle starts the wait anew
+        (
+            [(0.0, 1), (SETTLE - 0.1, 1), (SETTLE, 2), (2 * SETTLE - 0.1, 2), (2 * SETTLE, 2)],
+            [2 * SETTLE],
+        ),
+        # so does a tick with no round in place (workers waiting for a new round)
+        ([(0.0, 1), (1.0, None), (SETTLE, 1), (SETTLE + 1.0, 1), (2 * SETTLE, 1)], [2 * SETTLE]),
+        ([(0.0, None), (100.0, None)], []),  # never in place: no baseline (checks then pass)
+    ],
+)
+def test_the_baseline_is_timed_once_training_is_steady(
+    looks: list[tuple[float, int | None]], probed: list[float]
+) -> None:
+    assert _looks(looks) == probed
+
+
+def test_the_baseline_is_the_median_of_the_probes_that_completed() -> None:
+    b = probation.Baseline()
+    assert b.seconds is None and not b.done
+    b = b.with_sample(0.3).with_sample(INF).with_sample(0.1)
+    assert b.done and b.seconds == pytest.approx(0.2)
+    assert probation.baseline_due(b, 1, 1000.0).reason == "the baseline is taken"
+    assert probation.Baseline(samples=(INF,)).seconds is None
+
+
+def test_the_agent_times_its_baseline_while_training_and_not_across_a_reform(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probation.observe on a fake clock: no probe as the agent starts; N probes once its
+    round ran in place SETTLE s (each a probation.baseline event), their median the
+    baseline a check is held to; a probe that spans a re-form is not kept."""
+    from elastic import events
+    from elastic.agent.probation import Probation
+
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    clock, seconds = [0.0], iter([0.2, 0.1, 0.3])
+    pending: list[object] = []
+    sitter = Probation(OPTS, lambda: next(seconds), clock=lambda: clock[0], spawn=pending.append)
+    assert Probation.from_env() is None  # the straggler policy is off by default
+
+    def tick(at: float, running: int | None) -> None:
+        clock[0] = at
+        sitter.observe(running, "job")
+
+    tick(0.0, None)
+    tick(1.0, 3)
+    tick(1.0 + SETTLE - 0.1, 3)
+    assert pending == [] and sitter.baseline_s is None
+    for i in range(N):
+        tick(1.0 + SETTLE + i * GAP, 3)
+        assert len(pending) == 1, i
+        tick(1.0 + SETTLE + i * GAP + 0.01, 3)  # the probe is still running: no second one
+        assert len(pending) == 1
+        pending.pop()()  # type: ignore[operator]  # the thread runs the probe
+    tick(100.0, 3)  # the last probe is collected; no more probes
+    assert pending == [] and sitter.baseline_s == pytest.approx(0.2)
+    log = events.read(tmp_path / "events.jsonl", "probation.baseline")
+    assert [(e["seconds"], e["samples"], e["round"]) for e in log] == [
+        (0.2, 1, 3),
+        (0.1, 2, 3),
+        (0.3, 3, 3),
+    ]
+    assert log[-1]["baseline_s"] == 0.2
+
+    # a probe that spans a re-form is not kept
+    other = Probation(OPTS, lambda: 5.0, clock=lambda: clock[0], spawn=pending.append)
+    sitter = other
+    tick(0.0, 1)
+    tick(SETTLE, 1)
+    pending.pop()()  # type: ignore[operator]
+    tick(SETTLE + 0.5, 2)
+    assert other.baseline_s is None and other.baseline.samples == ()

@@ -5,6 +5,9 @@
   dropped in place: with ``ELASTIC_PROBATION=off`` its agent leaves for good (probation and
   the rejoin: tests/recovery/test_probation.py), the others go on, no completed step is
   redone, each sample is used once per epoch and the final model is the fault-free one.
+* Beside a CPU hog (one busy loop per core), a fault-free 3-node job with the policy on and
+  the default K and T names nobody and runs every step: on a loaded host a scheduler hiccup
+  slows a node's steps for a while, but never for T (10 s) of its compute time.
 * A worker stuck in ``time.sleep(3600)`` inside a step (its agent alive) names itself past
   the hang bound (``worker.hang``), its stack reaches the event log (``worker.stacks``), it
   exits, and the group goes on.
@@ -25,10 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import statistics
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch  # noqa: F401  (before any os.environ: the hang worker starts warm)
@@ -91,7 +97,12 @@ def test_a_slowed_node_is_named_and_dropped(cluster: LocalCluster, tmp_path: Pat
     worker = [str(Path(__file__)), *_args(out, epochs), "--step-delay=0.03"]
     # never below --nnodes MIN (2); probation off: the dropped node leaves for good
     # (probation and rejoin: tests/recovery/test_probation.py)
-    extra = {"ELASTIC_STRAGGLER": f"2,{k}", "ELASTIC_PROBATION": "off"}
+    # T = 0.2 s: K slow steps (3 x 0.09 s) cross it, so K decides the step it is named at
+    extra = {
+        "ELASTIC_STRAGGLER": f"2,{k}",
+        "ELASTIC_STRAGGLER_MIN_SLOW_S": "0.2",
+        "ELASTIC_PROBATION": "off",
+    }
     slow = {**extra, SLOW_ENV: f"3,{slow_after}"}
     nodes = [
         cluster.start(name, worker=worker, extra_env=slow if name == "c" else extra, nnodes="2:3")
@@ -105,12 +116,83 @@ def test_a_slowed_node_is_named_and_dropped(cluster: LocalCluster, tmp_path: Pat
     assert all(n.wait(120) == 0 for n in nodes), cluster.logs()
     d = detected[0]
     assert d["ratio"] > 2 and d["steps"] == k and d["policy"] is True, d
+    assert d["slow_s"] >= 0.2, d
     # the N-th sleep ends step N (run.step counts from 1): named after exactly K slow steps
     assert d["step"] == slow_after + k - 1, f"named at step {d['step']}"
     assert cluster.nodes["c"].pid in {e["pid"] for e in cluster.events("node.leave")}
     assert any("slowest" in e for e in cluster.steps()), "train.step carries no ratios"
     _check_result(cluster, out, ref, epochs)
     print(f"named at step {d['step']} (slowed from {slow_after}), ratio {d['ratio']}")
+
+
+def _hog(per_core: int) -> list[subprocess.Popen[bytes]]:
+    """``per_core`` busy loops per core (stopped by the caller, by PID)."""
+    loop = [sys.executable, "-c", "while True: pass"]
+    return [subprocess.Popen(loop) for _ in range(per_core * (os.cpu_count() or 1))]
+
+
+def _longest_streaks(steps: list[dict[str, Any]], ratio: float) -> tuple[int, float]:
+    """The longest run of consecutive steps in which one rank's compute time was above
+    ``ratio`` times the median (what the count-only rule counted), and the most seconds of
+    compute time such a run added up to."""
+    longest, most = 0, 0.0
+    runs: dict[int, tuple[int, float]] = {}
+    for e in steps:
+        compute = e.get("compute_s") or []
+        if not compute or min(compute) <= 0:
+            runs = {}
+            continue
+        median = statistics.median(compute)
+        for rank, t in enumerate(compute):
+            n, s = runs.get(rank, (0, 0.0))
+            runs[rank] = (n + 1, s + t) if t > ratio * median else (0, 0.0)
+            longest, most = max(longest, runs[rank][0]), max(most, runs[rank][1])
+    return longest, most
+
+
+@pytest.mark.timeout(300)
+def test_a_fault_free_job_beside_a_cpu_hog_names_nobody(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Three nodes, the policy on with its defaults (X = 2, K = 5, T = 10 s), every core
+    busy with a hog: nobody is named or dropped, every step runs once, all exit 0."""
+    from tests.recovery.test_inplace import _check_result, _reference
+
+    epochs = 6  # 120 steps
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    _reference(ref, epochs)
+    # each step ~0.02 s of sleep and ~20 ms of CPU work (matrix products), which the hog slows
+    worker = [str(Path(__file__)), *_args(out, epochs), "--step-delay=0.02", "--step-work=150"]
+    extra = {"ELASTIC_STRAGGLER_DROP": "on"}
+    hogs = _hog(4)  # load ~12 on 2 cores, as the runs that named a healthy node
+    try:
+        nodes = [
+            cluster.start(name, worker=worker, extra_env=extra, nnodes="2:3") for name in "abc"
+        ]
+        codes = [n.wait(240) for n in nodes]
+        load = os.getloadavg()[0]
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(10)
+    assert codes == [0, 0, 0], cluster.logs()
+    named = cluster.events("straggler.detected")
+    assert not named and not cluster.events("straggler.dropped"), named
+    assert not cluster.events("node.probation")
+    steps = cluster.steps()
+    assert max(e["step"] for e in steps) == epochs * SAMPLES // BATCH
+    full = next(i for i, e in enumerate(steps) if e["world_size"] == 3)  # c may join late
+    assert all(e["world_size"] == 3 for e in steps[full:]), "a node left the job"
+    _check_result(cluster, out, ref, epochs)
+    streak, seconds = _longest_streaks(steps, 2.0)
+    worst = max((r for e in steps for _, r in e.get("slowest", [])), default=0.0)
+    compute = sorted(t for e in steps for t in e.get("compute_s", []))
+    print(
+        f"{len(steps)} steps beside {len(hogs)} hogs, load {load:.1f}: compute median "
+        f"{statistics.median(compute):.3f} s, max {compute[-1]:.3f} s; worst ratio {worst}; "
+        f"longest run of steps above 2x the median {streak} ({seconds:.2f} s of compute); "
+        "nobody named"
+    )
 
 
 @pytest.mark.timeout(240)

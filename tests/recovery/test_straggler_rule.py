@@ -15,7 +15,8 @@ from elastic.worker import straggler
 from elastic.worker.boundary import Layout, Vote
 from elastic.worker.straggler import Options, State, View, decide
 
-ON = Options(ratio=2.0, steps=3, drop=True, min_nodes=2, window_s=60.0)
+# min_slow_s=0: K alone decides (the time rule: test_named_after_k_steps_and_t_seconds)
+ON = Options(ratio=2.0, steps=3, drop=True, min_nodes=2, window_s=60.0, min_slow_s=0.0)
 
 
 def _view(step: int, compute: list[float], nodes: list[int] | None = None) -> View:
@@ -62,8 +63,68 @@ def test_k_consecutive_steps_above_x(
         assert drop is not None and drop.node == 2 and drop.ranks == (2,) and drop.ratio == 3.0
 
 
+HEALTHY = [0.06, 0.06, 0.06]
+
+
+@pytest.mark.parametrize(
+    ("steps", "k", "t", "detected_at"),
+    [
+        ([[1, 1, 3]] * 5, 3, 0.0, 2),  # K alone (T = 0)
+        ([[1, 1, 3]] * 5, 3, 9.0, 2),  # 3 + 3 + 3 = 9 s at the K-th step: both at once
+        ([[1, 1, 3]] * 5, 3, 10.0, 3),  # K steps are 9 s: T decides, one step later
+        ([[1, 1, 3]] * 5, 1, 7.0, 2),  # 3, 6, 9 s
+        # a scheduler hiccup on a loaded host: 5 steps of 0.2 s at 3.3x (1 s): nobody
+        ([HEALTHY] * 3 + [[0.06, 0.06, 0.2]] * 5 + [HEALTHY] * 3, 5, 10.0, None),
+        # a 2 s GC pause, or a save, is one step: nobody, even at K = 1
+        ([HEALTHY] * 3 + [[0.06, 0.06, 2.0]] + [HEALTHY] * 3, 1, 10.0, None),
+        ([HEALTHY] * 3 + [[0.06, 0.06, 8.0]] * 1 + [HEALTHY] * 3, 1, 10.0, None),
+        # the seconds start anew with the streak: a healthy step between two long ones
+        ([[1, 1, 6], [1, 1, 1], [1, 1, 6]], 1, 10.0, None),
+        ([[1, 1, 6], [0, 0, 0], [1, 1, 6]], 1, 10.0, None),  # and after an unmeasured step
+        ([[1, 1, 6], [1, 1, 6]], 1, 10.0, 1),  # 12 s in a row
+    ],
+)
+def test_named_after_k_steps_and_t_seconds(
+    steps: list[list[float]], k: int, t: float, detected_at: int | None
+) -> None:
+    decisions = _run(steps, Options(ratio=2.0, steps=k, drop=True, min_slow_s=t))
+    detected = [i for i, d in enumerate(decisions) if d.detected]
+    assert detected == ([] if detected_at is None else [detected_at])
+    dropped = [i for i, d in enumerate(decisions) if d.drop is not None]
+    assert dropped == detected  # the policy drops what is named, when it is named
+    for i in detected:
+        slow = decisions[i].detected[0]
+        assert slow.node == 2 and slow.steps >= k and slow.seconds >= t, slow
+
+
+def test_a_node_really_slower_is_named_once_its_slowness_reaches_t() -> None:
+    """With the defaults (K = 5, T = 10 s): a node at 3x of 0.06 s steps (0.18 s) is
+    named once its slow steps add up to 10 s (56 steps), once, not again while it stays
+    slow; its streak's seconds are in the reason."""
+    options = Options(ratio=2.0, drop=False)
+    assert (options.steps, options.min_slow_s) == (5, straggler.DEFAULT_MIN_SLOW_S) == (5, 10.0)
+    decisions = _run([[0.06, 0.06, 0.18]] * 80, options)
+    detected = [i for i, d in enumerate(decisions) if d.detected]
+    assert detected == [55], detected  # 56 x 0.18 = 10.08 s
+    assert decisions[55].detected[0].seconds == pytest.approx(10.08)
+    assert "(10.08 s)" in decisions[55].reason and "policy is off" in decisions[55].reason
+    assert "for 5 steps and 10 s" in decisions[54].reason  # not yet: what it waits for
+
+
+def test_a_slow_rank_among_healthy_ranks_of_its_node_counts_its_own_time() -> None:
+    """A node's seconds are its slowest rank's compute time, against the median of the
+    nodes' (the step's own ranks): a loaded host slows every node alike and names nobody."""
+    nodes = [0, 0, 1, 1, 2, 2]
+    loaded = [[0.5, 0.5, 0.6, 0.5, 0.5, 0.7]] * 40  # everyone slow: ratios near 1
+    assert not any(d.detected for d in _run(loaded, Options(2.0, 5, True), nodes))
+    slow = [[0.1, 0.1, 0.1, 0.1, 0.1, 2.5]] * 5  # rank 5: 25x, 12.5 s in 5 steps
+    d = _run(slow, Options(2.0, 5, True), nodes)
+    assert [i for i, x in enumerate(d) if x.detected] == [4]
+    assert d[4].drop is not None and d[4].drop.ranks == (4, 5) and d[4].drop.seconds == 12.5
+
+
 def test_policy_off_detects_only() -> None:
-    decisions = _run([[1, 1, 3]] * 5, Options(ratio=2.0, steps=3))
+    decisions = _run([[1, 1, 3]] * 5, Options(ratio=2.0, steps=3, min_slow_s=0.0))
     assert [bool(d.detected) for d in decisions] == [False, False, True, False, False]
     assert all(d.drop is None for d in decisions)
     assert "the policy is off" in decisions[-1].reason
@@ -87,7 +148,7 @@ def test_two_nodes_name_nobody() -> None:
 
 
 def test_never_below_min_nodes() -> None:
-    d = _run([[1, 1, 3]] * 3, Options(2.0, 3, True, min_nodes=3))[-1]
+    d = _run([[1, 1, 3]] * 3, Options(2.0, 3, True, min_nodes=3, min_slow_s=0.0))[-1]
     assert d.detected and d.drop is None and "fewer than 3 nodes" in d.reason
 
 
@@ -134,6 +195,8 @@ def test_hang_bound() -> None:
         ({"ELASTIC_STRAGGLER": "off"}, Options()),
         ({"ELASTIC_STRAGGLER": "2.5,4"}, Options(2.5, 4, True)),
         ({"ELASTIC_STRAGGLER": "2,5", "ELASTIC_STRAGGLER_MIN_NODES": "3"}, Options(2, 5, True, 3)),
+        ({"ELASTIC_STRAGGLER_MIN_SLOW_S": "2.5"}, Options(min_slow_s=2.5)),
+        ({"ELASTIC_STRAGGLER_MIN_SLOW_S": "0"}, Options(min_slow_s=0.0)),
     ],
 )
 def test_options_from_env(env: dict[str, str], expected: Options) -> None:
@@ -294,6 +357,7 @@ def test_step_times_measure_and_ask_for_probation_or_leave(
     from elastic.worker.boundary import Tally
 
     monkeypatch.setenv("ELASTIC_STRAGGLER", "2,2")
+    monkeypatch.setenv("ELASTIC_STRAGGLER_MIN_SLOW_S", "5")  # 2 steps of 3 s: 6 s
     monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", "4242")
     monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
     killed: list[tuple[int, int]] = []
@@ -350,6 +414,7 @@ def test_a_rank_claiming_another_nodes_id_cannot_drop_it(
     from elastic.worker.boundary import Tally
 
     monkeypatch.setenv("ELASTIC_STRAGGLER", "2,2")
+    monkeypatch.setenv("ELASTIC_STRAGGLER_MIN_SLOW_S", "0")  # K alone
     monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", str(os.getpid()))
     monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -371,3 +436,9 @@ def test_a_rank_claiming_another_nodes_id_cannot_drop_it(
         run.step = step
         times.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, liar))
     assert len(asked) == 1
+
+
+@pytest.mark.parametrize("raw", ["-1", "x", "1e8"])
+def test_a_bad_min_slow_s_is_a_sentence(raw: str) -> None:
+    with pytest.raises(ConfigError, match=r"straggler\.min_slow_s \(--straggler-min-slow-s"):
+        straggler.options_from_env({"ELASTIC_STRAGGLER_MIN_SLOW_S": raw})
