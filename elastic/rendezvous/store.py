@@ -265,7 +265,8 @@ class EtcdStore(dist.Store):
         except RequestTooLargeError as exc:  # an answer over gRPC's 4 MiB receive limit
             if len(chunk) == 1:
                 raise StoreError(
-                    f"The etcd store could not return the value of key '{chunk[0]}': {exc}"
+                    f"The etcd store could not read the value of key '{chunk[0]}' because etcd's "
+                    "answer was refused as too large; store a smaller value."
                 ) from exc
             half = len(chunk) // 2
             first, second = self._read_chunk(chunk[:half]), self._read_chunk(chunk[half:])
@@ -304,7 +305,7 @@ def _bytes(value: bytes | str) -> bytes:
 
 
 def _naming(missing: list[str]) -> str:
-    """ "the key 'a' did" or "the keys 'a', 'b' and 3 more did", for a timeout's message."""
+    """For a timeout's message: "the key 'a' did" or "the keys 'a', 'b', 'c' and 2 more did"."""
     if len(missing) == 1:
         return f"the key '{missing[0]}' did"
     shown = ", ".join(f"'{name}'" for name in missing[:3])
