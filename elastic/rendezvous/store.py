@@ -7,6 +7,16 @@ be lost and nothing polls; a timeout raises torch's ``DistStoreError`` saying
 a second handle on the same data (torch's per-thread store). torch's own store
 suite runs against it: tests/rendezvous/test_torch_store_suite.py.
 
+Many keys, one request. ``multi_get``, ``multi_set`` and ``wait`` send one
+etcd transaction for up to :data:`MAX_TXN_OPS` keys (etcd's ``--max-txn-ops``
+default) instead of one request per key, which is what torch's C++ fallback
+(``Store::multiGet``, a loop over ``get``) would do. torch's elastic agent
+assigns worker ranks with them (``_assign_worker_ranks``): its rank 0 reads
+every node's role and writes every node's ranks, so a rendezvous costs that
+agent 4 requests at any size instead of 2 per node. The pybind trampoline
+(``PythonStore``) calls these Python methods also when C++ (``PrefixStore``)
+is the caller.
+
 Retries. :meth:`EtcdClient.call` re-sends a request whose reply was lost (an
 outage, a fail-over), so a write may reach etcd twice. ``set`` and
 ``compare_set`` give the same result when repeated; ``add`` does not, so each
@@ -25,9 +35,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -47,6 +57,12 @@ from elastic.rendezvous.lease import RunLease
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# etcd refuses a transaction with more operations than its --max-txn-ops (128 by default).
+MAX_TXN_OPS = 128
+# Bytes of keys and values ``multi_set`` puts in one transaction, well under etcd's
+# --max-request-bytes (1.5 MiB by default); a batch that is refused anyway is split in two.
+TXN_BYTES = 1 << 20
 
 
 class EtcdStore(dist.Store):
@@ -100,7 +116,39 @@ class EtcdStore(dist.Store):
     def get(self, key: str) -> bytes:
         """Return the value of ``key``, blocking until it exists or the store timeout passes."""
         limit: timedelta = self.timeout  # type: ignore[attr-defined]
-        return self._wait_get(self._key(key), time.monotonic() + limit.total_seconds(), limit, key)
+        return self._wait_all([key], limit)[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of ``keys`` in order, blocking like :meth:`get` until all exist.
+
+        One etcd transaction per :data:`MAX_TXN_OPS` keys while they all exist.
+        """
+        limit: timedelta = self.timeout  # type: ignore[attr-defined]
+        return self._wait_all(keys, limit)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        """Set every key to its value, in one etcd transaction per :data:`MAX_TXN_OPS` keys."""
+        if len(keys) != len(values):
+            raise StoreError(
+                f"multi_set got {len(keys)} keys and {len(values)} values; give one value per key."
+            )
+        items = [(key, _bytes(value)) for key, value in zip(keys, values, strict=True)]
+        batch: list[tuple[str, bytes]] = []
+        size = 0
+        for key, value in items:
+            grows = len(self._key(key)) + len(value)
+            if batch and (len(batch) == MAX_TXN_OPS or size + grows > TXN_BYTES):
+                self._put_batch(batch)
+                batch, size = [], 0
+            batch.append((key, value))
+            size += grows
+        if batch:
+            self._put_batch(batch)
+
+    def has_extended_api(self) -> bool:
+        """True: ``multi_get`` and ``multi_set`` are native (``append`` is torch's
+        ``compare_set`` loop, which needs nothing more of a store)."""
+        return True
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 when absent); return the sum.
@@ -155,10 +203,7 @@ class EtcdStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Block until every key exists; ``DistStoreError`` after ``timeout``."""
-        limit: timedelta = timeout or self.timeout  # type: ignore[attr-defined]
-        deadline = time.monotonic() + limit.total_seconds()
-        for key in keys:
-            self._wait_get(self._key(key), deadline, limit, key)
+        self._wait_all(keys, timeout or self.timeout)  # type: ignore[attr-defined]
 
     def check(self, keys: list[str]) -> bool:
         return all(self._client.range(self._key(k), count_only=True).count for k in keys)
@@ -185,24 +230,87 @@ class EtcdStore(dist.Store):
                 "as the path of a file that holds the data."
             ) from exc
 
-    def _wait_get(self, k: bytes, deadline: float, limit: timedelta, name: str) -> bytes:
-        """The value of ``k``, watching for it until ``deadline`` (monotonic) passes."""
-        while True:
-            response = self._client.range(k)
-            if response.kvs:
-                return response.kvs[0].value
+    def _put_batch(self, batch: list[tuple[str, bytes]]) -> None:
+        """Put ``batch`` in one transaction; halve it while etcd refuses it as too large."""
+        if len(batch) == 1:
+            key, value = batch[0]
+            self.set(key, value)
+            return
+        try:
+            lease = self._lease.id()
+            self._client.txn([], [op_put(self._key(k), v, lease) for k, v in batch], [])
+        except RequestTooLargeError:
+            half = len(batch) // 2
+            self._put_batch(batch[:half])
+            self._put_batch(batch[half:])
+
+    def _read(self, names: list[str]) -> tuple[dict[str, bytes], int]:
+        """The values of those of ``names`` that exist, and the revision they were read at
+        (the lowest, when more than one transaction read them)."""
+        found: dict[str, bytes] = {}
+        revision = 0
+        for start in range(0, len(names), MAX_TXN_OPS):
+            chunk = names[start : start + MAX_TXN_OPS]
+            response = self._read_chunk(chunk)
+            revision = min(revision or response.header.revision, response.header.revision)
+            for name, op in zip(chunk, response.responses, strict=True):
+                kvs = op.response_range.kvs
+                if kvs:
+                    found[name] = kvs[0].value
+        return found, revision
+
+    def _read_chunk(self, chunk: list[str]) -> Any:
+        try:
+            return self._client.txn([], [op_get(self._key(name)) for name in chunk], [])
+        except RequestTooLargeError as exc:  # an answer over gRPC's 4 MiB receive limit
+            if len(chunk) == 1:
+                raise StoreError(
+                    f"The etcd store could not read the value of key '{chunk[0]}' because etcd's "
+                    "answer was refused as too large; store a smaller value."
+                ) from exc
+            half = len(chunk) // 2
+            first, second = self._read_chunk(chunk[:half]), self._read_chunk(chunk[half:])
+            first.header.revision = min(first.header.revision, second.header.revision)
+            first.responses.extend(second.responses)
+            return first
+
+    def _wait_all(self, names: list[str], limit: timedelta) -> list[bytes]:
+        """The values of ``names`` in order, watching for those missing until ``limit`` passes.
+
+        One transaction reads every missing key; while some are missing, a watch on the first
+        from the revision after that read wakes on its write, then the missing are read again.
+        """
+        deadline = time.monotonic() + limit.total_seconds()
+        values: dict[str, bytes] = {}
+        missing = list(dict.fromkeys(names))
+        while missing:
+            found, revision = self._read(missing)
+            values.update(found)
+            missing = [name for name in missing if name not in found]
+            if not missing:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise dist.DistStoreError(
-                    f"Store wait timeout after {limit.total_seconds():g} s: the key '{name}' did "
+                    f"Store wait timeout after {limit.total_seconds():g} s: {_naming(missing)} "
                     "not appear in the etcd store; a peer may have died before publishing it, "
                     "or the store timeout is too short for this job."
                 )
-            self._client.wait_for_event(k, response.header.revision + 1, remaining)
+            self._client.wait_for_event(self._key(missing[0]), revision + 1, remaining)
+        return [values[name] for name in names]
 
 
 def _bytes(value: bytes | str) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-__all__ = ["EtcdStore"]
+def _naming(missing: list[str]) -> str:
+    """For a timeout's message: "the key 'a' did" or "the keys 'a', 'b', 'c' and 2 more did"."""
+    if len(missing) == 1:
+        return f"the key '{missing[0]}' did"
+    shown = ", ".join(f"'{name}'" for name in missing[:3])
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    return f"the keys {shown}{more} did"
+
+
+__all__ = ["MAX_TXN_OPS", "EtcdStore"]

@@ -98,12 +98,11 @@ def test_simple_wait(store: dist.Store) -> None:
 def test_append(store: Any) -> None:  # torch's stub Store lacks these
     """``StoreTestBase.test_append``.
 
-    Upstream returns early for a store without the extended API, and an EtcdStore has none
-    (``has_extended_api()`` is False, checked here). So that the case still tests something,
-    its body runs anyway: it exercises torch's C++ fallback (a ``compare_set`` loop), which
-    is what every caller of ``append`` on our store gets.
+    Upstream skips it for a store without the extended API; an EtcdStore has it
+    (``has_extended_api()`` is True, checked here, also through ``PrefixStore``), its
+    ``append`` being torch's C++ ``compare_set`` loop.
     """
-    assert store.has_extended_api() is False
+    assert store.has_extended_api() is True
     store.set("foo", "po")
     store.append("foo", "tato")
     store.append("bar", "po")
@@ -113,16 +112,16 @@ def test_append(store: Any) -> None:  # torch's stub Store lacks these
 
 
 def test_multi_set(store: Any) -> None:  # torch's stub Store lacks these
-    """``StoreTestBase.test_multi_set``; run through torch's fallback (see test_append)."""
-    assert store.has_extended_api() is False
+    """``StoreTestBase.test_multi_set``; through PrefixStore it is C++ calling ours."""
+    assert store.has_extended_api() is True
     store.multi_set(["foo", "bar"], ["po", "tato"])
     assert store.get("foo") == b"po"
     assert store.get("bar") == b"tato"
 
 
 def test_multi_get(store: Any) -> None:  # torch's stub Store lacks these
-    """``StoreTestBase.test_multi_get``; run through torch's fallback (see test_append)."""
-    assert store.has_extended_api() is False
+    """``StoreTestBase.test_multi_get``; through PrefixStore it is C++ calling ours."""
+    assert store.has_extended_api() is True
     store.set("foo", "po")
     store.set("bar", "tato")
     v0, v1 = store.multi_get(["foo", "bar"])
