@@ -72,6 +72,12 @@ def _parse() -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=30.0, help="manager timeout, s (example: 30)")
     p.add_argument("--async-quorum", action="store_true", help="torchft's default quorum mode")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="append each step attempt (step, quorum, rank, participants, samples) as a JSON "
+        "line to OUT/steps.jsonl",
+    )
     return p.parse_args()
 
 
@@ -139,6 +145,10 @@ def main() -> None:
     optimizer = Optimizer(manager, inner)
     emit("tft.phase", phase="ready")
     quorum_id = None
+    attempts = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        attempts = open(os.path.join(args.out, "steps.jsonl"), "a", buffering=1)  # noqa: SIM115
     while manager.current_step() < total and not leaving:
         began, before = time.time(), manager.current_step()
         optimizer.zero_grad()  # the quorum (healing a new replica first)
@@ -158,6 +168,9 @@ def main() -> None:
             )
         step = manager.current_step()
         idx = batch_indices(step, args.samples, args.global_batch, rank or 0, max(n, 1))
+        if attempts is not None:  # before the step's collectives, as tests/scripts/inplace_user.py
+            record = {"step": step, "round": quorum_id, "rank": rank or 0, "world": n}
+            attempts.write(json.dumps({**record, "pid": os.getpid(), "idx": idx.tolist()}) + "\n")
         loss = F.cross_entropy(model(x[idx]), y[idx])
         loss.backward()
         optimizer.step()  # commits (applies AdamW) only if every participant succeeded
