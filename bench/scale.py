@@ -26,8 +26,9 @@ first step. A step counts once its whole body, its pace included, is done (both 
 
 Correctness, per run (:func:`correctness`): each worker appends one line per step attempt
 (step, round or quorum id, rank, world, the sample indices) to ``out/steps.jsonl`` before
-the step's collectives; a step's samples are those of its attempt in its newest round (a
-failed attempt is redone in a later round), one attempt per rank. The run is correct when the
+the step's collectives, and torchft's a line when the step committed; a step's samples are
+those of its attempts in the round that committed it (elastic: the step's newest round, a
+failed attempt is redone in a later one), one attempt per rank. The run is correct when the
 completed steps in the event log never go back or repeat (no completed step redone), every
 completed step has every rank's share and exactly the global batch of distinct samples, and
 no sample is used twice in an epoch (each complete epoch uses every sample once).
@@ -101,17 +102,19 @@ def job(n: int) -> tuple[int, int]:
 
 
 def kept(records: Iterable[Mapping[str, Any]]) -> dict[int, dict[int, list[int]]]:
-    """Step -> rank -> the samples of that rank's attempt in the step's newest round (a
-    failed attempt is redone in a later round; a rank's later attempt in the same round
-    replaces its earlier one)."""
-    records = list(records)
-    newest: dict[int, Any] = {}
-    for r in records:
-        if r["step"] not in newest or _later(r["round"], newest[r["step"]]):
-            newest[r["step"]] = r["round"]
+    """Step -> rank -> the samples of that rank's attempt in the round that completed the
+    step: the round of a ``committed`` line for it when there is one (torchft), else the
+    step's newest round (``elastic.Run`` redoes a failed attempt in a later round); a rank's
+    later attempt in that round replaces its earlier one."""
+    attempts = [r for r in records if not r.get("committed")]
+    chosen: dict[int, Any] = {}
+    for r in attempts:
+        if r["step"] not in chosen or _later(r["round"], chosen[r["step"]]):
+            chosen[r["step"]] = r["round"]
+    chosen.update({r["step"]: r["round"] for r in records if r.get("committed")})
     out: dict[int, dict[int, list[int]]] = defaultdict(dict)
-    for r in records:
-        if r["round"] == newest[r["step"]]:
+    for r in attempts:
+        if r["round"] == chosen[r["step"]]:
             out[r["step"]][r["rank"]] = list(r["idx"])
     return dict(out)
 

@@ -172,3 +172,15 @@ def test_runs_are_interleaved(scale: ModuleType) -> None:
         (8, "mlp-inplace"),
         (8, "torchft"),
     ]
+
+
+def test_a_stale_attempt_in_a_later_quorum_does_not_replace_the_committed_one(
+    scale: ModuleType,
+) -> None:
+    # torchft: step 0 committed in quorum 1 (one replica); in quorum 3 two replicas not yet
+    # healed tried step 0 again, did not commit, and were healed to a later step
+    records = _records(2, 1, 6, 24)
+    records += [{"step": s, "round": 1, "rank": 0, "committed": True} for s in (0, 1)]
+    records += [{**r, "round": 3} for r in _records(1, 2, 6, 24)]
+    assert scale.kept(records)[0] == {0: list(range(6))}
+    assert scale.correctness(records, [1, 2], 6, 24)["ok"]
