@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(refusal)
     import torch
 
+    ran = provenance()  # the commit that runs, read before the runs (they take minutes)
     base = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     load = [os.getloadavg()[0]]
     try:
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     load.append(os.getloadavg()[0])
     summary = summarize(runs)
     out = {
-        **provenance(),
+        **ran,
+        "finished_utc": provenance()["utc"],
         "torch": torch.__version__,
         "command": " ".join(["bench/scale.py", *(argv if argv is not None else sys.argv[1:])]),
         "method": {
