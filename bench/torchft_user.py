@@ -22,6 +22,11 @@ one) and runs the group's manager server. ``REPLICA_GROUP_ID`` names it; the Lig
 and shuts its manager down (torchft has no leave call; the Lighthouse drops it when its
 heartbeats stop).
 
+With ``--out``, each step attempt is appended to ``OUT/steps.jsonl`` before the step's
+collectives (step, round: the quorum id, rank, world: the participants, pid, idx: the sample
+indices), and once the step committed a line ``{step, round, rank, committed: true}``
+(``bench/scale.py`` checks from them that each sample was used once).
+
 Events, one JSON line each, appended to ``$ELASTIC_EVENT_LOG`` (the bench's shared event
 log; the same fields as elastic's): ``train.step`` (written by the step's participating rank
 0 after a committed step and its pace, where ``Run`` records a step: step, world_size, loss,
@@ -72,6 +77,12 @@ def _parse() -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=30.0, help="manager timeout, s (example: 30)")
     p.add_argument("--async-quorum", action="store_true", help="torchft's default quorum mode")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="append each step attempt (step, quorum, rank, participants, samples) and each "
+        "commit as a JSON line to OUT/steps.jsonl",
+    )
     return p.parse_args()
 
 
@@ -139,6 +150,10 @@ def main() -> None:
     optimizer = Optimizer(manager, inner)
     emit("tft.phase", phase="ready")
     quorum_id = None
+    attempts = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        attempts = open(os.path.join(args.out, "steps.jsonl"), "a", buffering=1)  # noqa: SIM115
     while manager.current_step() < total and not leaving:
         began, before = time.time(), manager.current_step()
         optimizer.zero_grad()  # the quorum (healing a new replica first)
@@ -158,9 +173,15 @@ def main() -> None:
             )
         step = manager.current_step()
         idx = batch_indices(step, args.samples, args.global_batch, rank or 0, max(n, 1))
+        if attempts is not None:  # before the step's collectives, as tests/scripts/inplace_user.py
+            record = {"step": step, "round": quorum_id, "rank": rank or 0, "world": n}
+            attempts.write(json.dumps({**record, "pid": os.getpid(), "idx": idx.tolist()}) + "\n")
         loss = F.cross_entropy(model(x[idx]), y[idx])
         loss.backward()
         optimizer.step()  # commits (applies AdamW) only if every participant succeeded
+        if attempts is not None and manager.current_step() > step:
+            record = {"step": step, "round": quorum_id, "rank": rank or 0, "committed": True}
+            attempts.write(json.dumps(record) + "\n")
         # The step's pace is part of the step: it counts once its whole body is done, as a
         # step on elastic.Run does (Run records it at the next boundary, after the pace).
         time.sleep(args.step_delay)
