@@ -346,8 +346,8 @@ class NodeAgent(LocalElasticAgent):
         worker is stopped (the named pids are kept for the tick's observation)."""
         stopped = self._stopped_since()
         ranks = {w.global_rank: w.id for w in worker_group.workers if stopped and w.id in stopped}
-        addr, port = worker_group.master_addr, worker_group.master_port
-        if not ranks or not addr or not port:
+        addr, port = (worker_group.master_addr, worker_group.master_port) if ranks else (None, 0)
+        if not addr or not port:
             self._named_stuck = frozenset()
             return False
         self._verdicts = self._verdicts or VerdictReader()
