@@ -97,7 +97,7 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "worker.hang.peers": "the ranks waiting in a step past the hang bound named those that "
         "never reached its collectives: rank (the lowest waiting), step, ranks, seconds, round",
         "worker.hang.suspects": "the lowest rank waiting in a step past the hang bound named "
-        "in the round's store the ranks without a mark 0.1 s into the roll call (their "
+        "in the round's store the ranks without a mark 0.05 s into the roll call (their "
         "agents end a named worker that is stopped): step, ranks, round, seconds (since "
         "the step began), bound_s",
         "worker.hang": "a rank stayed inside a step past the hang bound without reaching its "

@@ -67,7 +67,7 @@ MAX_STACKS = 32_000  # characters of stacks kept in the event
 ARRIVED_PREFIX = "elastic/arrived"  # <round>/<step>/<rank>: that rank waits in the step
 ROLL_CALL_GRACE_S = 0.3  # the waiting ranks mark themselves within this of one another
 HUNG_PREFIX = "elastic/hung"  # <round>/<rank>: the waiting ranks name that rank stuck
-VERDICT_AFTER_S = 2 * POLL_S  # into the roll call: the ranks without a mark are suspects
+VERDICT_AFTER_S = POLL_S  # into the roll call (its 2nd poll): who has no mark is suspect
 MARK_WAIT_S = 3 * POLL_S  # a stuck rank waits this long at most for the waiting ranks' marks
 
 # The round's store, its number and its world size; None off the in-place path.

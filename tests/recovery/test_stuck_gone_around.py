@@ -63,7 +63,7 @@ def test_a_stopped_worker_is_gone_around_at_world_minus_one(
         f"--samples={SAMPLES}",
         f"--global-batch={BATCH}",
         f"--out={out}",
-        "--step-delay=0.1",
+        "--step-delay=0.05",
     ]
     calm = {"ELASTIC_HANG": f"{BOUND:g},5"}
     nodes = {n: cluster.start(n, worker=worker, extra_env=calm, nnodes="2:3") for n in "abc"}
@@ -90,7 +90,8 @@ def test_a_stopped_worker_is_gone_around_at_world_minus_one(
     print(
         f"stopped at step {suspects['step']}; bound {suspects['bound_s']} s; next step at "
         f"world 2 {figure:.3f} s after the bound ({went_on['ts'] - stopped:.2f} s after the "
-        f"SIGSTOP); world 3 again {back['ts'] - went_on['ts']:.2f} s later"
+        f"SIGSTOP; verdict +{suspects['ts'] - bound_at:.3f} s, worker ended "
+        f"+{ended['ts'] - bound_at:.3f} s); world 3 again {back['ts'] - went_on['ts']:.2f} s later"
     )
     assert suspects["bound_s"] >= BOUND and len(suspects["ranks"]) == 1, suspects
     assert figure <= 0.5 + MARGIN_S, f"gone around {figure:.3f} s after the bound"
