@@ -53,6 +53,9 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "change) or 'failure' (spends the job's restart budget, kept in etcd)",
         "worker.frozen": "an agent ended a worker stopped (SIGSTOP) for FROZEN_S seconds so "
         "that it restarts: pid, local_rank, seconds",
+        "worker.stuck": "an agent ended a worker that was stopped (SIGSTOP) and that its "
+        "waiting peers named stuck; its node leaves the round and rejoins, spending no "
+        "restart (elastic.agent.stuck): pid, local_rank",
         "etcd.unreachable": "an agent lost etcd; training goes on until outage_timeout",
         "etcd.reachable": "an agent reached etcd again after an outage: seconds it lasted",
         # workers (elastic_tools.training.worker, elastic.checkpoint.manager)
@@ -98,6 +101,10 @@ KINDS: Mapping[str, str] = MappingProxyType(
         "leaves the job): step, node, ranks, ratio, reason, median_s",
         "worker.hang.peers": "the ranks waiting in a step past the hang bound named those that "
         "never reached its collectives: rank (the lowest waiting), step, ranks, seconds, round",
+        "worker.hang.suspects": "the lowest rank waiting in a step past the hang bound named "
+        "in the round's store the ranks without a mark 0.05 s into the roll call (their "
+        "agents end a named worker that is stopped): step, ranks, round, seconds (since "
+        "the step began), bound_s",
         "worker.hang": "a rank stayed inside a step past the hang bound without reaching its "
         "collectives; it exits so that the group goes on: rank, step, pid, seconds, bound_s",
         "worker.stacks": "the Python stacks of every thread of a stuck worker "

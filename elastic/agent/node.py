@@ -60,6 +60,11 @@ Small hooks into torch's agent:
 * **A frozen worker is ended.** A worker stopped (SIGSTOP) for ``FROZEN_S`` seconds while
   its agent runs is killed and restarted like a failed one (:mod:`elastic.agent.frozen`):
   its peers would otherwise wait on it round after round.
+* **A stuck worker is gone around** (:mod:`elastic.agent.stuck`): in place, a worker that is
+  stopped and that its waiting peers named stuck past the hang bound (their verdict in the
+  round's store, read each tick only while a worker is stopped) is ended at once, and the
+  node leaves its round with no health check and rejoins as a joiner
+  (:func:`elastic.agent.probation.sit_out_stuck`); no restart is spent.
 """
 
 from __future__ import annotations
@@ -95,7 +100,8 @@ from elastic.agent.frozen import FROZEN_S, FrozenWatch
 from elastic.agent.inplace_host import InPlaceHost
 from elastic.agent.plain_script import PlainScript
 from elastic.agent.probation import Ending, Probation, SatOut, request_path, sit_out_stuck
-from elastic.node import channel, nodelocal, reform
+from elastic.agent.stuck import CONFIRM_S, VerdictReader, stuck_pids
+from elastic.node import channel, nodelocal, procs, reform
 from elastic.rendezvous.contract import ChangeKind, MembershipChange, MembershipHandler
 from elastic.worker import probation, snapshot
 
@@ -131,6 +137,8 @@ class NodeAgent(LocalElasticAgent):
     _probation: Probation | None = None  # with the straggler policy on (made in run)
     _request: Path | None = None  # where a dropped node's worker asks for probation
     _left: str | None = None  # why this node left the job on its own (the run then ends)
+    _verdicts: VerdictReader | None = None  # reads the round's stuck verdicts (first use)
+    _named_stuck: frozenset[int] = frozenset()  # worker pids the waiting ranks named stuck
 
     def _handler(self) -> MembershipHandler | None:
         handler = self._worker_group.spec.rdzv_handler
@@ -260,6 +268,8 @@ class NodeAgent(LocalElasticAgent):
                     time.sleep(step)
                 if host is not None and group is not None and host.any_waiting(group):
                     return
+                if host is not None and group is not None and self._look_for_stuck(group, host):
+                    return  # a worker named stuck and stopped: gone around (_monitor_workers)
                 if handler is not None and handler.membership_change() != before:
                     return
                 if self._request is not None and self._request.exists():
@@ -316,6 +326,7 @@ class NodeAgent(LocalElasticAgent):
             in_place=host is not None,
             finished_before_join=bool(finished),
             stopped_since=stopped or {},
+            named_stuck=self._named_stuck if stopped else frozenset(),
             frozen_limit_s=self._frozen.limit_s if self._frozen is not None else FROZEN_S,
             restarts_left=self._remaining_restarts,
         )
@@ -328,6 +339,37 @@ class NodeAgent(LocalElasticAgent):
             return None
         self._frozen = self._frozen or FrozenWatch()
         return self._frozen.observe(pcontext.pids())
+
+    def _look_for_stuck(self, worker_group: WorkerGroup, host: InPlaceHost) -> bool:
+        """Whether a local worker is stopped and named stuck by its waiting peers, stopped
+        for :data:`~elastic.agent.stuck.CONFIRM_S`; the round's store is read only while a
+        worker is stopped (the named pids are kept for the tick's observation)."""
+        stopped = self._stopped_since()
+        ranks = {w.global_rank: w.id for w in worker_group.workers if stopped and w.id in stopped}
+        addr, port = (worker_group.master_addr, worker_group.master_port) if ranks else (None, 0)
+        if not addr or not port:
+            self._named_stuck = frozenset()
+            return False
+        self._verdicts = self._verdicts or VerdictReader()
+        round_ = host.joined_round()
+        self._named_stuck = frozenset(self._verdicts.named(str(addr), int(port), round_, ranks))
+        assert stopped is not None
+        return bool(stuck_pids(stopped, self._named_stuck, time.monotonic(), CONFIRM_S))
+
+    def _end_stuck_workers(self, handler: MembershipHandler, stuck: tuple[int, ...]) -> None:
+        """SIGKILL the workers named stuck and seen stopped (they cannot handle a SIGTERM)."""
+        pcontext = getattr(self, "_pcontext", None)
+        pids = pcontext.pids() if pcontext is not None else {}
+        for pid in stuck:
+            logger.warning(
+                "Worker %d is stopped and its waiting peers named it stuck; ending it so that "
+                "the others go on without this node, which rejoins.",
+                pid,
+            )
+            procs.kill(pid)
+            rank = next((r for r, p in pids.items() if p == pid), None)
+            events.emit("worker.stuck", pid=pid, local_rank=rank, run_id=handler.get_run_id())
+        self._named_stuck = frozenset()
 
     def _dispatch(
         self,
@@ -351,8 +393,14 @@ class NodeAgent(LocalElasticAgent):
                     self._initialize_workers,
                 )
             else:
+                self._end_stuck_workers(handler, decision.end_frozen)
                 sat = sit_out_stuck(
-                    worker_group, host, handler, self._stop_workers, self._initialize_workers
+                    worker_group,
+                    host,
+                    handler,
+                    self._stop_workers,
+                    self._initialize_workers,
+                    why=decision.reason,
                 )
             return self._back_from_sit_out(worker_group, sat)
         if handler is None or action in (tick.Action.PASS_ON, tick.Action.RESTART):

@@ -131,15 +131,17 @@ def sit_out_stuck(
     stop: Callable[[WorkerGroup], None],
     rejoin: Callable[[WorkerGroup], None],
     sleep: Callable[[float], None] = time.sleep,
+    why: str = "a worker was stuck inside a step and ended itself",
 ) -> SatOut:
-    """A worker of ours was stuck inside a step and ended itself: a probation with no health
-    check. This node leaves its round at once, as a frozen node is dropped, so that the
-    others go on without it (they need not wait for our new worker), sits out
-    :data:`STUCK_REJOIN_S` (the others' round without it forms first), then rejoins as a
-    joiner, which they admit at a step boundary."""
+    """A worker of ours was stuck inside a step (``why``: it ended itself, or it was named
+    stuck and stopped and its agent ended it): a probation with no health check. This node
+    leaves its round at once, as a frozen node is dropped, so that the others go on without
+    it (they need not wait for our new worker), sits out :data:`STUCK_REJOIN_S` (the
+    others' round without it forms first), then rejoins as a joiner, which they admit at a
+    step boundary."""
     logger.warning(
-        "A worker was stuck inside a step and ended itself; this node leaves its round so "
-        "that the others go on, and rejoins in %g s.",
+        "%s; this node leaves its round so that the others go on, and rejoins in %g s.",
+        why[:1].upper() + why[1:],
         STUCK_REJOIN_S,
     )
 

@@ -13,7 +13,10 @@ dispatch. The rules, in order:
 * **Without our rendezvous handler** torch's answer stands (:attr:`Action.PASS_ON`).
 * **Healthy workers** go on (:attr:`Action.KEEP_GOING`), ending those stopped (SIGSTOP) for
   the frozen limit, unless the job finished before they joined it
-  (:attr:`Action.SUCCEEDED`).
+  (:attr:`Action.SUCCEEDED`), or a worker is stuck: named by its waiting peers and seen
+  stopped (:func:`elastic.agent.stuck.stuck_pids`); in place, that worker is ended at once
+  and the node sits out without a health check and rejoins (:attr:`Action.SIT_OUT` with
+  ``checked=False``), spending no restart.
 * **Workers that all exited 75** stopped for a membership change: re-form without spending
   a restart (:attr:`Action.REFORM`).
 * **Any other failure** is first recorded in the job's restart budget
@@ -36,6 +39,7 @@ from types import MappingProxyType
 from torch.distributed.elastic.agent.server.api import WorkerState
 
 from elastic.agent.frozen import FROZEN_S, frozen_pids
+from elastic.agent.stuck import CONFIRM_S, stuck_pids
 from elastic.node import reform
 from elastic.worker.probation import Request
 
@@ -68,6 +72,8 @@ class Observation:
     finished_before_join: bool = False  # the rendezvous closed before our workers joined
     stopped_since: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
     frozen_limit_s: float = FROZEN_S  # a worker stopped this long is frozen
+    named_stuck: frozenset[int] = frozenset()  # pids the waiting ranks named stuck
+    stuck_confirm_s: float = CONFIRM_S  # a named worker stopped this long is stuck
     failure_recorded: bool = False  # this tick's failure is in the job's restart budget
     restarts_left: int = 0  # torch's _remaining_restarts, after the failure was recorded
 
@@ -78,7 +84,7 @@ class Decision:
 
     action: Action
     reason: str
-    end_frozen: tuple[int, ...] = ()  # KEEP_GOING: the pids to SIGKILL (frozen workers)
+    end_frozen: tuple[int, ...] = ()  # the pids to SIGKILL: frozen (KEEP_GOING), stuck (SIT_OUT)
     checked: bool = True  # SIT_OUT: run the health check (a straggler) or not (stuck)
 
 
@@ -103,6 +109,15 @@ def decide(obs: Observation) -> Decision:
             return Decision(
                 Action.SUCCEEDED,
                 "the job finished before this node's workers joined it; nothing is left to train",
+            )
+        stuck = tuple(stuck_pids(obs.stopped_since, obs.named_stuck, obs.now, obs.stuck_confirm_s))
+        if stuck and obs.in_place:
+            return Decision(
+                Action.SIT_OUT,
+                f"workers {list(stuck)} are stopped and their waiting peers named them stuck: "
+                "they are ended",
+                end_frozen=stuck,
+                checked=False,
             )
         frozen = tuple(frozen_pids(obs.stopped_since, obs.now, obs.frozen_limit_s))
         reason = "the workers are healthy"

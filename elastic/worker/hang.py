@@ -21,7 +21,15 @@ know: at the same bound, each waiting rank marks itself in the round's store
 (``elastic/arrived/<round>/<step>/<rank>``; nothing is written in a healthy step), reads the
 others' marks after :data:`ROLL_CALL_GRACE_S`, and the lowest of them names every rank
 without a mark (event ``worker.hang.peers``: step, ranks, seconds). So a rank that cannot
-name itself (stuck with the GIL held) is named too. A mark is a random token whose
+name itself (stuck with the GIL held) is named too.
+
+The lowest waiting rank also leaves a verdict where the named ranks' agents look
+(``elastic/hung/<round>/<rank>`` in the round's store, the value the step): first
+:data:`VERDICT_AFTER_S` into the roll call, for every rank without a mark by then (event
+``worker.hang.suspects``), cleared at its end for a rank whose mark came later. An agent
+whose worker is named *and* stopped (SIGSTOP: it cannot name itself, nor exit) ends it at
+once and leaves the round, so the others go on without it (:mod:`elastic.agent.stuck`); a
+verdict alone moves nothing (any member can write one). A mark is a random token whose
 commitment (a hash) its rank wrote into its own record of the last step boundary
 (:mod:`elastic.worker.boundary`), so no client of the store can plant another rank's mark
 (a stuck rank never reveals its token); a mark once seen stays counted and a rank sets its
@@ -36,6 +44,7 @@ its agent's heartbeat or frozen-worker watch remains the way out.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import logging
@@ -57,6 +66,8 @@ POLL_S = 0.05
 MAX_STACKS = 32_000  # characters of stacks kept in the event
 ARRIVED_PREFIX = "elastic/arrived"  # <round>/<step>/<rank>: that rank waits in the step
 ROLL_CALL_GRACE_S = 0.3  # the waiting ranks mark themselves within this of one another
+HUNG_PREFIX = "elastic/hung"  # <round>/<rank>: the waiting ranks name that rank stuck
+VERDICT_AFTER_S = POLL_S  # into the roll call (its 2nd poll): who has no mark is suspect
 MARK_WAIT_S = 3 * POLL_S  # a stuck rank waits this long at most for the waiting ranks' marks
 
 # The round's store, its number and its world size; None off the in-place path.
@@ -77,6 +88,11 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
+def verdict_key(round_: int, rank: int) -> str:
+    """Where the waiting ranks of round ``round_`` name ``rank`` stuck (its agent looks)."""
+    return f"{HUNG_PREFIX}/{round_}/{rank}"
+
+
 def roll_call(
     store: Any,
     round_: int,
@@ -86,6 +102,7 @@ def roll_call(
     grace_s: float,
     token: str = "1",
     commits: tuple[float, ...] | None = None,
+    suspect: Callable[[list[int]], None] | None = None,
 ) -> tuple[list[int], bool]:
     """Mark ``rank`` as waiting in ``step`` in the round's ``store`` (its ``token``), give
     the other waiting ranks ``grace_s`` to mark themselves, and return ``(the ranks without
@@ -95,10 +112,15 @@ def roll_call(
     own record of the last step boundary) a mark counts only when its token matches its
     rank's commitment: no client of the store can plant another rank's mark. A mark once
     seen stays counted, and this rank sets its own again at every poll until the grace
-    ends (also once it saw every mark): a deletion by another client changes nothing."""
+    ends (also once it saw every mark): a deletion by another client changes nothing.
+
+    ``suspect`` is called once, :data:`VERDICT_AFTER_S` in, with the ranks without a mark
+    then, when this rank is the lowest with one so far (ranks that tripped a poll apart
+    have marked by then: a rank named later is not waiting, or is slow to mark)."""
     prefix = f"{ARRIVED_PREFIX}/{round_}/{step}"
     keys = [f"{prefix}/{r}" for r in range(world_size)]
-    deadline = time.monotonic() + grace_s
+    started = time.monotonic()
+    deadline = started + grace_s
     present = {rank}
     while True:
         try:
@@ -109,7 +131,12 @@ def roll_call(
         except Exception as exc:  # the round's store closed (a new round): what was seen
             logger.info("The roll call of step %d ended early: %s", step, exc)
             deadline = 0.0
-        if time.monotonic() >= deadline:  # not before: a rank that saw every mark keeps
+        now = time.monotonic()
+        if suspect is not None and (now >= started + VERDICT_AFTER_S or now >= deadline):
+            if min(present) == rank and len(present) < world_size:
+                suspect(absent(world_size, present))
+            suspect = None
+        if now >= deadline:  # not before: a rank that saw every mark keeps
             # setting its own for the others, whose view a deleting client may still hide
             return absent(world_size, present), min(present) == rank
         time.sleep(POLL_S)
@@ -240,9 +267,20 @@ class HangWatch:
         commits = known[2] if known is not None and known[:2] == (round_, step) else None
         token = self._token if commits is not None else new_token()
         store.set_timeout(timedelta(seconds=1))  # a mark deleted between check and get
+        suspects: list[int] = []
+
+        def suspect(ranks: list[int]) -> None:
+            suspects.extend(ranks)
+            self.publish(store, round_, step, ranks, seconds)
+
         missing, lowest = roll_call(
-            store, round_, step, rank, world_size, ROLL_CALL_GRACE_S, token, commits
+            store, round_, step, rank, world_size, ROLL_CALL_GRACE_S, token, commits, suspect
         )
+        cleared = [r for r in suspects if r not in missing]
+        if cleared:  # they marked late: not stuck (their agents would not act: not stopped)
+            with contextlib.suppress(Exception):
+                for r in cleared:
+                    store.delete_key(verdict_key(round_, r))
         if not missing or not lowest:
             return
         logger.error(
@@ -260,6 +298,25 @@ class HangWatch:
             ranks=missing,
             seconds=round(seconds, 3),
             round=round_,
+        )
+
+    def publish(self, store: Any, round_: int, step: int, ranks: list[int], seconds: float) -> None:
+        """Name ``ranks`` stuck in ``step`` where their agents look (:func:`verdict_key`)."""
+        try:
+            for r in ranks:
+                store.set(verdict_key(round_, r), str(step))
+        except Exception as exc:  # the round's store closed: a new round goes on anyway
+            logger.info("The verdict on step %d was not published: %s", step, exc)
+            return
+        began = self._step_began
+        waited = time.monotonic() - began if began is not None else seconds
+        events.emit(
+            "worker.hang.suspects",
+            step=step,
+            ranks=ranks,
+            round=round_,
+            seconds=round(waited, 3),
+            bound_s=round(self.bound(), 3),
         )
 
     def give_up(self, seconds: float) -> None:
@@ -318,10 +375,13 @@ def dump_stacks() -> str:
 
 __all__ = [
     "ARRIVED_PREFIX",
+    "HUNG_PREFIX",
+    "VERDICT_AFTER_S",
     "HangWatch",
     "absent",
     "commitment",
     "dump_stacks",
     "new_token",
     "roll_call",
+    "verdict_key",
 ]

@@ -66,6 +66,21 @@ ROWS = [
     Row("healthy, a shorter frozen limit",
         seen(state=HEALTHY, stopped_since={41: NOW - 1.0}, frozen_limit_s=1.0),
         Action.KEEP_GOING, "[41]", end_frozen=(41,)),
+    # a worker its waiting peers named stuck: gone around only when also seen stopped
+    Row("healthy, named stuck and stopped",
+        seen(state=HEALTHY, stopped_since={41: NOW - 0.1, 42: NOW - 5.0},
+             named_stuck=frozenset({41, 42})),
+        Action.SIT_OUT, "named them stuck", end_frozen=(41, 42), checked=False),
+    Row("healthy, named stuck, stopped under the confirmation",
+        seen(state=HEALTHY, stopped_since={41: NOW - 0.05}, named_stuck=frozenset({41})),
+        Action.KEEP_GOING, "healthy"),
+    Row("healthy, named stuck but running (a hostile or late verdict)",
+        seen(state=HEALTHY, stopped_since={42: NOW - 1.0}, named_stuck=frozenset({41})),
+        Action.KEEP_GOING, "healthy"),
+    Row("healthy, named stuck and frozen, not in place",
+        seen(state=HEALTHY, stopped_since={41: NOW - 3.0}, named_stuck=frozenset({41}),
+             in_place=False),
+        Action.KEEP_GOING, "[41]", end_frozen=(41,)),
     # neither healthy nor a failure with failed workers named: torch's answer
     Row("succeeded", seen(state=WorkerState.SUCCEEDED), Action.PASS_ON, "succeeded"),
     Row("unhealthy", seen(state=WorkerState.UNHEALTHY), Action.PASS_ON, "unhealthy"),
@@ -116,6 +131,20 @@ def test_the_frozen_verdict_follows_the_clock() -> None:
     for now, expected in ticks:
         decision = tick.decide(seen(now=now, state=HEALTHY, stopped_since=stopped))
         assert decision.end_frozen == expected, (now, decision)
+
+
+def test_the_stuck_verdict_follows_the_clock() -> None:
+    """A worker named stuck and first seen stopped at t=100 is gone around 0.1 s later
+    (CONFIRM_S) and not before; a continue (no longer stopped) takes it out of the verdict."""
+    named = frozenset({7})
+    ticks = [(100.0, {7: 100.0}, ()), (100.09, {7: 100.0}, ()), (100.125, {7: 100.0}, (7,)),
+             (101.0, {}, ())]  # fmt: skip
+    for now, stopped, expected in ticks:
+        decision = tick.decide(
+            seen(now=now, state=HEALTHY, stopped_since=stopped, named_stuck=named)
+        )
+        assert decision.end_frozen == expected, (now, decision)
+        assert (decision.action is Action.SIT_OUT) == bool(expected), (now, decision)
 
 
 def test_reform_exit_code_is_75() -> None:

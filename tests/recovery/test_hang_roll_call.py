@@ -4,13 +4,14 @@ a roll call in the round's store, written only past the hang bound (elastic.work
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from elastic import events
-from elastic.worker.hang import HangWatch, absent, roll_call
+from elastic.worker.hang import HangWatch, absent, roll_call, verdict_key
 
 
 class _Guard:
@@ -116,3 +117,43 @@ def test_a_store_that_closes_mid_roll_call_ends_it_with_what_was_seen(
     store.set("elastic/arrived/2/4/1", "1")
     missing, lowest = roll_call(_Closing(store, reads=3), 2, 4, 0, 3, grace_s=5.0)
     assert (missing, lowest) == ([2], True)
+
+
+def test_the_waiting_ranks_leave_a_verdict_for_the_stuck_rank_alone(
+    store: dist.TCPStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 waits in step 10 of round 3 (world 4): rank 2 marks itself late (after the
+    verdict, within the grace), ranks 1 and 3 never. The verdict named 1, 2 and 3 first
+    (``worker.hang.suspects``), and at the roll call's end it names 1 and 3 alone: rank 2's
+    verdict is cleared (its agent would not act on it anyway: it is not stopped)."""
+    monkeypatch.setenv("ELASTIC_HANG", "2,5")
+    monkeypatch.setenv("ELASTIC_EVENT_LOG", str(tmp_path / "events.jsonl"))
+    watch = HangWatch(
+        _Guard(since=100.2), lambda: (0.1,), lambda: (0, 9), round_store=lambda: (store, 3, 4)
+    )
+    watch._step_began, watch._in_step = 100.0, True
+
+    def late() -> None:
+        deadline = time.monotonic() + 5
+        while not store.check([verdict_key(3, 2)]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        store.set("elastic/arrived/3/10/2", "1")
+
+    marker = threading.Thread(target=late)
+    marker.start()
+    watch.name_absent(3.0)
+    marker.join(5)
+    suspects = events.read(tmp_path / "events.jsonl", "worker.hang.suspects")
+    assert [(e["step"], e["ranks"], e["round"]) for e in suspects] == [(10, [1, 2, 3], 3)]
+    assert suspects[0]["bound_s"] == 2.0 and suspects[0]["seconds"] > 2.0, suspects
+    named = events.read(tmp_path / "events.jsonl", "worker.hang.peers")
+    assert [e["ranks"] for e in named] == [[1, 3]]
+    assert [store.check([verdict_key(3, r)]) for r in range(4)] == [False, True, False, True]
+    assert store.get(verdict_key(3, 1)) == b"10"
+
+
+def test_a_rank_that_is_not_the_lowest_leaves_no_verdict(store: dist.TCPStore) -> None:
+    store.set("elastic/arrived/6/2/0", "1")
+    seen: list[list[int]] = []
+    assert roll_call(store, 6, 2, 1, 3, grace_s=0.2, suspect=seen.append) == ([2], False)
+    assert seen == []
