@@ -176,7 +176,7 @@ class Run:
             self._checkpoints.renew(self._group.checkpoint_group() if distributed else None)
         parts.step_end = self._step_end = StepEnd(parts)
         parts.store, parts.jit = self._make_snapshots(snapshot_dir)
-        self._jit, self._snapshots = parts.jit, parts.jit.snapshotter
+        self._store, self._jit, self._snapshots = parts.store, parts.jit, parts.jit.snapshotter
         self._dealt = False  # the current epoch's body ran through batches()
         parts.signals = self._signals = StopSignals()
         self._group.start()
