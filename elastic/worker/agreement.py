@@ -268,4 +268,4 @@ class StepEnd:
         )
 
 
-__all__ = ["END_REFORMS", "Exit", "StepEnd"]
+__all__ = ["StepEnd"]

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from elastic.worker.agreement import END_REFORMS, StepEnd
-from elastic.worker.ending import save_final
+from elastic.worker.agreement import StepEnd
+from elastic.worker.ending import END_REFORMS, save_final
 
 STEP = 16
 
