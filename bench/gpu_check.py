@@ -616,7 +616,7 @@ def user_worker(args: argparse.Namespace) -> int:
     run = elastic.Run(model, optimizer, None, sampler, checkpoint_url=args.ckpt)
     print(
         f"gpu_check worker pid={os.getpid()} backend={dist.get_backend()} device={device} "
-        f"in_place={run._member is not None}",
+        f"in_place={run._group.in_place}",
         flush=True,
     )
     for _ in run.epochs(100000):

@@ -49,7 +49,7 @@ def _block(worker: Worker, steps: int, interval: int | None) -> float:
     for _ in range(steps):
         result = worker.trainer.step(worker.position.cursor)
         worker.position.cursor = result.cursor
-        run.step += 1
+        run.train.advance()
         if interval and run.step % interval == 0:
             run.save(block=False)
     run.wait()

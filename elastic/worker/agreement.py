@@ -10,11 +10,10 @@ when a checkpoint is due), re-form in place, leave, restart, or stop the job (ev
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,48 +21,40 @@ import torch.distributed as dist
 from elastic import events
 from elastic.errors import RecoveryError
 from elastic.node import reform
+from elastic.worker import ending
 from elastic.worker.boundary import Action, Layout, Outcome, Tally, Vote, decide
+from elastic.worker.ending import END_REFORMS, Exit
 from elastic.worker.hang import HangWatch
+from elastic.worker.parts import Parts
 from elastic.worker.straggler import LIMITS, SLOTS, hang_limits
 from elastic.worker.timing import StepTimes
 
-if TYPE_CHECKING:
-    from elastic.worker.session import Run
-
 logger = logging.getLogger(__name__)
-END_REFORMS = 3  # re-forms at the job's end while newer rounds keep forming
-
-
-class Exit(enum.Enum):
-    """How a Run ends (:meth:`elastic.Run._shutdown`, its one way out)."""
-
-    DONE = "the loop ran to its end"
-    STOPPED = "the group stopped after a step"
-    LEFT = "this rank left; the others go on in place with the state"
-    FELL_BACK = "an in-place re-form failed; the agent restarts this worker"
-    CLOSED = "close() was called"
 
 
 class StepEnd:
-    """The step boundary of ``run`` (see the module)."""
+    """The step boundary of a run's ``parts`` (see the module; its group is chosen)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.times = StepTimes(run)  # every rank's step times (elastic.worker.straggler)
+    def __init__(self, parts: Parts) -> None:
+        self.parts = parts
+        guard = getattr(parts.group, "guard", None)
+        # every rank's step times (elastic.worker.straggler), Run's straggler=...
+        self.times = StepTimes(parts.train, parts.place, guard, parts.options.straggler)
         self._hang: HangWatch | None = None
         self._named: set[tuple[int, int]] = set()  # (round, rank): refused records named
+        self._last_step_at = time.perf_counter()
 
     def after_step(self, final: bool = False) -> bool:
         """:meth:`_after_step`, with the hang watch paused over the boundary."""
         if self._hang is None:
-            guard = getattr(self.run._group, "guard", None)
+            guard = getattr(self.parts.group, "guard", None)
             recent = lambda: tuple(self.times.recent)  # noqa: E731
+            place, train = self.parts.place, self.parts.train
             self._hang = HangWatch(
-                guard, recent, lambda: (self.run.rank, self.run.step), round_store=self._store
+                guard, recent, lambda: (place.rank, train.step), round_store=self._store
             )
-            given = getattr(self.run, "options", None)  # Run's hang=..., over $ELASTIC_HANG_*
-            if guard is not None and given is not None:
-                self._hang.limits = hang_limits(given.hang)
+            if guard is not None:  # Run's hang=..., over $ELASTIC_HANG_*
+                self._hang.limits = hang_limits(self.parts.options.hang)
         self._hang.pause()
         try:
             return self._after_step(final)
@@ -73,7 +64,7 @@ class StepEnd:
     def _store(self) -> tuple[Any, int, int] | None:
         """The store of this rank's round, its number and world size (in place), for the
         hang watch's roll call."""
-        member = self.run._group.member
+        member = self.parts.group.member
         a = member.assignment if member is not None else None
         if a is None:
             return None
@@ -86,21 +77,20 @@ class StepEnd:
         re-formed in place. A step whose collectives failed before its optimizer stepped
         does not count: its state is rewound and the group re-forms (a step whose
         optimizer stepped is complete and counts)."""
-        run = self.run
-        if run._group.step_failed():
-            run._loss.zero_()
-            outcome = decide(None, run.world_size, Vote(stop=self.stopping()), in_place=True)
+        parts = self.parts
+        train, place = parts.train, parts.place
+        if parts.group.step_failed():
+            train.take_loss()
+            outcome = decide(None, place.world_size, Vote(stop=self.stopping()), in_place=True)
             return self._act(outcome, failed=True, everyone=False, final=final)
-        if run._in_batches:
-            run.consumed += run._batch * run.world_size
-        run.step += 1
+        train.advance(parts.batches.samples(place.world_size))
         now = time.perf_counter()
-        seconds, run._last_step_at = now - run._last_step_at, now
-        run._jit.boundary(run.step)
+        seconds, self._last_step_at = now - self._last_step_at, now
+        parts.jit.boundary(train.step)
         try:
             outcome, everyone = self._agree()
         finally:  # the step is complete even when its agreement failed (a peer was lost)
-            if run.rank == 0:
+            if place.rank == 0:
                 self._report(seconds)
         return self._act(outcome, failed=False, everyone=everyone, final=final)
 
@@ -108,15 +98,15 @@ class StepEnd:
         """The group's one all-gather after a step: every rank's record (its vote, its loss,
         its figures: :mod:`elastic.worker.boundary`); the outcome, and whether every rank
         stops."""
-        run = self.run
-        run.loss = None  # until the group agreed on it
+        parts = self.parts
+        train, place = parts.train, parts.place
+        train.agreed_loss(None)  # until the group agreed on it
         vote = self._vote()
         layout = self.layout()
-        loss = (float(run._loss[0]), float(run._loss[1]))
+        loss = train.take_loss()
         slots = self.times.slots()
         slots["hang_commit"] = self._hang.commit() if self._hang is not None else 0.0
         row = layout.row(vote, loss, slots)
-        run._loss.zero_()
         began = time.perf_counter()
         if self._hang is not None:
             self._hang.agreeing = True  # a peer stuck in its step holds this wait
@@ -132,26 +122,27 @@ class StepEnd:
             self.times.observe(tally)
             if self._hang is not None:  # every rank's mark commitment for the next step
                 commits = tuple(s[len(SLOTS)] for s in tally.slots)
-                self._hang.committed(run._round, run.step + 1, commits)
-        run.loss = tally.mean_loss if tally is not None else None
-        everyone = tally is not None and tally.stops == run.world_size
-        return decide(tally, run.world_size, vote, run._group.in_place), everyone
+                self._hang.committed(place.round, train.step + 1, commits)
+        train.agreed_loss(tally.mean_loss if tally is not None else None)
+        everyone = tally is not None and tally.stops == place.world_size
+        return decide(tally, place.world_size, vote, parts.group.in_place), everyone
 
     def layout(self) -> Layout:
         """Each rank's record: its votes, loss sums, straggler figures and hang commitment."""
         limits = {**LIMITS, "hang_commit": (0.0, 2.0**48 - 1)}
-        return Layout(self.run.world_size, (*SLOTS, "hang_commit"), limits)
+        return Layout(self.parts.place.world_size, (*SLOTS, "hang_commit"), limits)
 
     def gather(self, row: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``row``, ``[world, fields]`` (row ``r`` from rank ``r``: one
         all-gather on the group's control group); None when a peer was lost (in place)."""
-        run = self.run
-        control = run._group.control
-        if control is None or not run.distributed:
+        group, place = self.parts.group, self.parts.place
+        control = group.control
+        if control is None or not place.distributed:
             return row.reshape(1, -1)
-        out = torch.empty(run.world_size * row.numel(), dtype=row.dtype)  # gloo: flat
+        world = place.world_size
+        out = torch.empty(world * row.numel(), dtype=row.dtype)  # gloo: flat
         start = lambda: dist.all_gather_single(out, row, group=control, async_op=True)  # noqa: E731
-        return out.reshape(run.world_size, -1) if run._group.collective(start) else None
+        return out.reshape(world, -1) if group.collective(start) else None
 
     def end_vote(self, seen: bool) -> bool:
         """At the job's end: whether any rank saw a newer round (``seen``: this rank's),
@@ -167,48 +158,47 @@ class StepEnd:
     def _refused(self, tally: Tally) -> None:
         """Rank 0 names each rank whose record was refused (event ``boundary.refused``,
         once per rank and round); it counted as voting nothing and reporting no figures."""
-        run = self.run
+        place, step = self.parts.place, self.parts.train.step
         for rank, reason in tally.refused:
-            key = (run._round, rank)
+            key = (place.round, rank)
             if key in self._named:
                 continue
             self._named.add(key)
             logger.warning(
                 "Rank %d's record at step %d was refused (%s); it counts as voting nothing.",
                 rank,
-                run.step,
+                step,
                 reason,
             )
-            if run.rank == 0:
+            if place.rank == 0:
                 events.emit(
-                    "boundary.refused", rank=rank, step=run.step, round=run._round, reason=reason
+                    "boundary.refused", rank=rank, step=step, round=place.round, reason=reason
                 )
 
     def _act(self, outcome: Outcome, failed: bool, everyone: bool, final: bool) -> bool:
         """Carry out the boundary's outcome; True when the group re-formed in place."""
-        run = self.run
-        action, in_place = outcome.action, run._group.in_place
+        parts = self.parts
+        group, step = parts.group, parts.train.step
+        action, in_place = outcome.action, group.in_place
         if action is Action.GO_ON:
-            due = run.step % run.checkpoint_every == 0 and not final
-            if run._checkpoints is not None and due:
-                run._checkpoints.save(run.step, run._persist_state())
-                run._last_saved = run.step
+            if parts.checkpoints.due(step, final):
+                parts.checkpoints.manager.save(step, parts.persist_state())
             return False
         if action is Action.REFORM:
             if failed:
-                run._group.rewind()
-            run._group.reform()
+                group.rewind()
+            group.reform()
             return True
         if action is Action.RESTART and in_place:
-            run._group.fall_back(RecoveryError(f"{outcome.reason[0].upper()}{outcome.reason[1:]}."))
+            group.fall_back(RecoveryError(f"{outcome.reason[0].upper()}{outcome.reason[1:]}."))
         if action is Action.LEAVE and in_place and not everyone:
             self.leave_now()
-        if action is Action.STOP_ALL and run.rank == 0:
-            events.emit("job.stopped", step=run.step, reason=outcome.reason)
+        if action is Action.STOP_ALL and parts.place.rank == 0:
+            events.emit("job.stopped", step=step, reason=outcome.reason)
         code = reform.EXIT_CODE if action is Action.RESTART else reform.OK
-        logger.info("Stopping at step %d: %s (exit %d).", run.step, outcome.reason, code)
-        run._shutdown(Exit.STOPPED, persist=outcome.persist, code=code)
-        return False  # not reached: _shutdown raised SystemExit
+        logger.info("Stopping at step %d: %s (exit %d).", step, outcome.reason, code)
+        ending.shutdown(parts, Exit.STOPPED, persist=outcome.persist, code=code)
+        return False  # not reached: shutdown raised SystemExit
 
     def end_in_newest_round(self, refused: bool = False) -> bool:
         """The loop ran to its end: never end in a round that is no longer the job's (its
@@ -216,68 +206,66 @@ class StepEnd:
         round would train the job's end again, alone). While the group agrees that a newer
         round formed (:meth:`Group.newer_round`), wait (bounded by the re-form's join
         timeout) until its ranks are ready, and re-form in place; True when it re-formed."""
-        run = self.run
+        group, place = self.parts.group, self.parts.place
         if self._hang is not None:
             self._hang.pause()  # the loop is over: waiting for a joiner is not a step
         moved = False
         for _ in range(END_REFORMS):
-            if not run._group.newer_round(refused and not moved):
+            if not group.newer_round(refused and not moved):
                 break
             logger.info(
                 "The job reached its end (step %d) in round %d, but a newer round formed; "
                 "re-forming in place before it ends.",
-                run.step,
-                run._round,
+                self.parts.train.step,
+                place.round,
             )
-            run._group.reform()
+            group.reform()
             moved = True
         return moved
 
     def _vote(self) -> Vote:
-        run = self.run
         stop = self.stopping()
-        broken, ready = run._group.switch_vote()
-        regroup = stop and run._signals.regroup
+        broken, ready = self.parts.group.switch_vote()
+        regroup = stop and self.parts.signals.regroup
         return Vote(stop, regroup, self._persist_vote(), broken, ready)
 
     def stopping(self) -> bool:
         """Whether this rank stops after this step: a signal, or its node leaves the job."""
-        run = self.run
-        return run._signals.requested or run._group.leaving
+        return self.parts.signals.requested or self.parts.group.leaving
 
     def _persist_vote(self) -> bool:
         """Yes unless our agent stops us to re-form and keeps our memory snapshot."""
-        run = self.run
-        survives = run._jit.enabled and run._store.owner != os.getpid()
-        return not survives or (self.stopping() and not run._signals.regroup)
+        parts = self.parts
+        survives = parts.jit.enabled and parts.store.owner != os.getpid()
+        return not survives or (self.stopping() and not parts.signals.regroup)
 
     def leave_now(self) -> None:
         """This rank leaves a group that goes on without it: its peers keep the state."""
-        run = self.run
-        logger.info("Leaving the group at step %d; the others go on in place.", run.step)
-        run._shutdown(Exit.LEFT, code=reform.OK)
+        step = self.parts.train.step
+        logger.info("Leaving the group at step %d; the others go on in place.", step)
+        ending.shutdown(self.parts, Exit.LEFT, code=reform.OK)
 
     def fall_back(self, exc: BaseException) -> None:
         """Exit for a restart after a failure-time snapshot (in place: a re-form failed)."""
-        self.run._shutdown(Exit.FELL_BACK, code=reform.EXIT_CODE, cause=exc)
+        ending.shutdown(self.parts, Exit.FELL_BACK, code=reform.EXIT_CODE, cause=exc)
 
     def _report(self, seconds: float) -> None:
-        run = self.run
+        train, place, batches = self.parts.train, self.parts.place, self.parts.batches
         fields: dict[str, Any] = {}
-        samples = run.global_batch_size or run._batch * run.world_size
+        samples = batches.global_batch_size or batches.size * place.world_size
         if samples:
             fields["samples_per_s"] = round(samples / max(seconds, 1e-9), 2)
-        if run.loss is not None:
-            fields["loss"] = round(run.loss, 6)
+        if train.loss is not None:
+            fields["loss"] = round(train.loss, 6)
         fields.update(self.times.fields())  # the slowest ranks (elastic.worker.straggler)
         events.emit(
             "train.step",
-            step=run.step,
-            world_size=run.world_size,
-            epoch=run.epoch,
-            lr=run.optimizer.param_groups[0].get("lr"),
+            step=train.step,
+            world_size=place.world_size,
+            epoch=train.epoch,
+            lr=train.optimizer.param_groups[0].get("lr"),
             **fields,
         )
 
 
-__all__ = ["END_REFORMS", "Exit", "StepEnd"]
+__all__ = ["StepEnd"]

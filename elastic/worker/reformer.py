@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,7 @@ from elastic.node.channel import Assignment
 from elastic.worker import groups
 from elastic.worker.exchange import Interrupted
 from elastic.worker.member import BROKEN, NOT_YET, READY, Member
-
-if TYPE_CHECKING:
-    from elastic.worker.session import Run
+from elastic.worker.parts import Parts
 
 logger = logging.getLogger(__name__)
 REFORM_ATTEMPTS = 3  # rounds a re-form tries while peers keep failing, before it restarts
@@ -38,14 +36,15 @@ class InPlaceGroup:
 
     in_place = True
 
-    def __init__(self, run: Run, member: Member) -> None:
-        self.run = run
+    def __init__(self, parts: Parts, member: Member) -> None:
+        self.parts = parts
         self.member: Member | None = member
         self.guard = member.guard
 
     def join(self) -> Assignment:
         assert self.member is not None
-        self.guard.install(self.run.model, self.run.optimizer, self.run.scheduler)
+        train = self.parts.train
+        self.guard.install(train.model, train.optimizer, train.scheduler)
         for attempt in range(REFORM_ATTEMPTS):
             try:
                 return self.member.join()[0]
@@ -69,7 +68,7 @@ class InPlaceGroup:
         as after a failed step."""
         try:
             self._on_new_group()
-            self.run._resumer.sync(live=False)
+            self.parts.resumer.sync(live=False)
         except Interrupted as exc:
             assert self.member is not None
             logger.warning("The state of round %d was not agreed: %s", self.member.round, exc)
@@ -89,9 +88,6 @@ class InPlaceGroup:
     def collective(self, start: Callable[[], Any]) -> bool:
         return self.guard.run(start)
 
-    def agree(self, flags: torch.Tensor) -> bool:
-        return self.guard.run(lambda: dist.all_reduce(flags, async_op=True))
-
     def step_failed(self) -> bool:
         failed = self.guard.failure is not None and not self.guard.committed
         if not failed:
@@ -101,31 +97,27 @@ class InPlaceGroup:
     def rewind(self) -> None:
         """Undo what a failed step changed outside ``optimizer.step()`` (which the guard
         skipped): buffers, RNG, schedule and counters return to the last boundary."""
-        run = self.run
-        boundary = run._jit.last_boundary
-        if boundary is None or boundary.extra is None or boundary.step != run.step:
+        train = self.parts.train
+        boundary = self.parts.jit.last_boundary
+        if boundary is None or boundary.extra is None or boundary.step != train.step:
             return
-        if boundary.buffers:
-            for buf in run.model.buffers():
-                kept = boundary.buffers.get(buf.data_ptr())
-                if kept is not None:
-                    buf.data.copy_(kept)
-        run._apply_extra(boundary.extra)
+        train.rewind(boundary.buffers, boundary.extra)
 
     def reform(self) -> None:
         """Wait for the agent's next round, swap its group in and agree on the state; any
         failure falls back to a restart."""
-        run, member = self.run, self.member
+        parts, member = self.parts, self.member
+        place, step_end = parts.place, parts.step_end
         assert member is not None
         started = time.perf_counter()
-        old_round, old_world = run._round, run.world_size
+        old_round, old_world = place.round, place.world_size
         failed = self.guard.failure is not None and self.guard.aborted is None
         broken = self.guard.aborted is not None or self.guard.failure is not None
         for attempt in range(REFORM_ATTEMPTS):
             try:
                 joined, waited, formed = member.join(failed=failed)
                 self._on_new_group(broken)
-                synced = run._resumer.sync(live=True)
+                synced = parts.resumer.sync(live=True)
                 break
             except Interrupted as exc:  # a peer failed mid-way: its loss makes a new round
                 logger.warning(
@@ -135,10 +127,10 @@ class InPlaceGroup:
                 if attempt + 1 == REFORM_ATTEMPTS:
                     self.fall_back(exc)
             except (RecoveryError, RuntimeError) as exc:
-                if run._step_end.stopping():
-                    run._step_end.leave_now()
+                if step_end.stopping():
+                    step_end.leave_now()
                 self.fall_back(exc)
-        run.reforms += 1
+        place.reformed()
         seconds = time.perf_counter() - started
         logger.info(
             "Re-formed in place: round %d -> %d, world %d -> %d, rank %d, at step %d in "
@@ -146,9 +138,9 @@ class InPlaceGroup:
             old_round,
             joined.round,
             old_world,
-            run.world_size,
-            run.rank,
-            run.step,
+            place.world_size,
+            place.rank,
+            parts.train.step,
             seconds,
             waited,
             formed,
@@ -156,17 +148,17 @@ class InPlaceGroup:
         )
         events.emit(
             "recovery.inplace",
-            step=run.step,
+            step=parts.train.step,
             round=joined.round,
-            rank=run.rank,
-            world_size=run.world_size,
+            rank=place.rank,
+            world_size=place.world_size,
             pid=os.getpid(),
             seconds=round(seconds, 4),
             waited_s=round(waited, 4),
             form_s=round(formed, 4),
             state=synced,
         )
-        run._jit.restart_clock()
+        parts.jit.restart_clock()
 
     def newer_round(self, refused: bool = False) -> bool:
         """At the job's end: whether a rank's agent formed a newer round (a join whose
@@ -176,38 +168,31 @@ class InPlaceGroup:
         agents form the round that replaces it."""
         assert self.member is not None
         seen = self.member.newer_round_formed()
-        if refused and not seen and self.run.rank == 0:
-            seen = _fence_moved(self.run._fence)
-        return self.run._step_end.end_vote(seen)
+        if refused and not seen and self.parts.place.rank == 0:
+            seen = _fence_moved(self.parts.checkpoints.fence)
+        return self.parts.step_end.end_vote(seen)
 
     def fall_back(self, exc: BaseException) -> None:
         logger.warning("The in-place re-form failed (%s); restarting from memory instead.", exc)
-        events.emit("recovery.fallback", step=self.run.step, reason=str(exc)[:300], pid=os.getpid())
-        self.run._step_end.fall_back(exc)
+        step = self.parts.train.step
+        events.emit("recovery.fallback", step=step, reason=str(exc)[:300], pid=os.getpid())
+        self.parts.step_end.fall_back(exc)
 
     def _on_new_group(self, broken: bool = False) -> None:
         """Carry what depends on the group into the new one: ranks, DDP, the sampler's
         share, the per-rank batch, the fence and the checkpoints' group."""
-        run, member = self.run, self.member
+        parts, member = self.parts, self.member
         assert member is not None and member.assignment is not None
-        run.distributed = True
-        run.rank, run.world_size = dist.get_rank(), dist.get_world_size()
-        run._round = member.assignment.round
-        run._jit.round = run._round
-        if isinstance(run.model, torch.nn.parallel.DistributedDataParallel):
-            groups.update_ddp(run.model)
-        if run.sampler is not None and hasattr(run.sampler, "num_replicas"):
-            run.sampler.num_replicas, run.sampler.rank = run.world_size, run.rank
-        if run._loader is not None:
-            run._set_batch()
+        place, train = parts.place, parts.train
+        place.move(True, dist.get_rank(), dist.get_world_size(), member.assignment.round)
+        parts.jit.round = place.round
+        if isinstance(train.model, torch.nn.parallel.DistributedDataParallel):
+            groups.update_ddp(train.model)
+        train.reshard(place.rank, place.world_size)
+        parts.batches.resize(place.world_size)
         if member.assignment.fence:
-            run._set_fence(member.assignment.fence)
-        if run._checkpoints is not None and broken:
-            run._checkpoints.abandon()
-        elif run._checkpoints is not None:
-            run._checkpoints.close()
-        if run._ckpt_cfg is not None:
-            run._checkpoints = run._checkpoint_manager()
+            parts.checkpoints.set_fence(member.assignment.fence)
+        parts.checkpoints.renew(self.checkpoint_group(), broken)
 
     def close(self) -> None:
         if self.member is not None:

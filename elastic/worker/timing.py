@@ -35,7 +35,10 @@ from elastic.worker import probation, straggler
 from elastic.worker.boundary import Tally
 
 if TYPE_CHECKING:
-    from elastic.worker.session import Run
+    from elastic.node.options import StragglerOptions
+    from elastic.worker.guard import StepGuard
+    from elastic.worker.parts import Place
+    from elastic.worker.state import TrainState
 
 logger = logging.getLogger(__name__)
 REPORT_ALL_UP_TO = 64  # train.step lists every rank's figures up to this world size
@@ -51,13 +54,20 @@ def node_id() -> int:
 
 
 class StepTimes:
-    """This rank's step figures and the group's straggler rule (see the module)."""
+    """This rank's step figures and the group's straggler rule (see the module): the step
+    of ``train``, the rank and re-forms of ``place``, the waits the group's ``guard`` saw
+    (in place), and ``options`` (Run's ``straggler=``; None: ``$ELASTIC_STRAGGLER_*``)."""
 
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        given = getattr(run, "options", None)  # Run's straggler=..., over $ELASTIC_STRAGGLER_*
+    def __init__(
+        self,
+        train: TrainState,
+        place: Place,
+        guard: StepGuard | None = None,
+        options: StragglerOptions | None = None,
+    ) -> None:
+        self.train, self.place, self.guard = train, place, guard
         self.options = (
-            straggler.options_from_env() if given is None else straggler.from_model(given.straggler)
+            straggler.options_from_env() if options is None else straggler.from_model(options)
         )
         self.state = straggler.State()
         self.node = node_id()
@@ -69,13 +79,13 @@ class StepTimes:
         self._left = False
 
     def _waited(self) -> float:
-        guard = getattr(self.run._group, "guard", None)
+        guard = self.guard
         return float(guard.waited()) if guard is not None else self._agreed_s
 
     def slots(self) -> dict[str, float]:
         """This rank's figures for the step just run; zeros when it was not measured (the
         first step, or one that a re-form interrupted)."""
-        now, waited, reforms = time.perf_counter(), self._waited(), self.run.reforms
+        now, waited, reforms = time.perf_counter(), self._waited(), self.place.reforms
         mark, self._mark = self._mark, (now, waited, reforms)
         out = {"compute_s": 0.0, "wait_s": 0.0, "node": float(self.node), "since_drop_s": 0.0}
         if self.state.last_drop is not None:  # the window, for a joiner to read too
@@ -96,7 +106,7 @@ class StepTimes:
         if not tally.slots:
             return
         view = straggler.View(
-            self.run.step,
+            self.train.step,
             tuple(s[0] for s in tally.slots),
             tuple(s[1] for s in tally.slots),
             tuple(round(s[2]) for s in tally.slots),
@@ -104,7 +114,7 @@ class StepTimes:
         )
         decision = straggler.decide(view, self.state, time.monotonic(), self.options)
         self.state, self.last, self.view = decision.state, decision, view
-        if self.run.rank == 0:
+        if self.place.rank == 0:
             for slow in decision.detected:
                 logger.warning("A straggler at step %d: %s.", view.step, decision.reason)
                 events.emit(
@@ -131,7 +141,7 @@ class StepTimes:
                     median_s=round(statistics.median(view.compute), 6),  # a probe's target
                 )
         drop = decision.drop
-        if drop is not None and self.run.rank == min(drop.ranks) and not self._left:
+        if drop is not None and self.place.rank == min(drop.ranks) and not self._left:
             if not self._ours(drop):
                 return
             median = statistics.median(view.compute)
@@ -178,7 +188,7 @@ class StepTimes:
         """For rank 0's ``train.step``: the slowest ranks and, in a small world, every
         rank's figures (empty when the step was not measured)."""
         decision, view = self.last, self.view
-        if decision is None or view is None or not decision.ratios or view.step != self.run.step:
+        if decision is None or view is None or not decision.ratios or view.step != self.train.step:
             return {}
         order = sorted(range(len(decision.ratios)), key=lambda r: -decision.ratios[r])
         out: dict[str, Any] = {

@@ -223,8 +223,10 @@ def test_run_keywords_reach_the_step_times_and_bad_ones_are_a_sentence() -> None
     import elastic
     from elastic.worker.timing import StepTimes
 
-    run = types.SimpleNamespace(options=options.load({}, straggler={"drop": True, "ratio": 4}))
-    assert StepTimes(run).options == straggler.Options(4.0, 5, True, 1, 60.0)  # type: ignore[arg-type]
+    given = options.load({}, straggler={"drop": True, "ratio": 4}).straggler
+    run = types.SimpleNamespace()
+    times = StepTimes(run, run, None, given)  # type: ignore[arg-type]
+    assert times.options == straggler.Options(4.0, 5, True, 1, 60.0)
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match=r"straggler\.ratio.*0\.5"):

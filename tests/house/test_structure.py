@@ -14,6 +14,19 @@ def test_the_runtime_packages_import_each_other_one_way() -> None:
     assert structure.package_circles(structure.import_graph()) == []
 
 
+def test_the_worker_modules_import_each_other_one_way() -> None:
+    """Run's parts take what they share (elastic.worker.parts), never the Run: no circle."""
+    graph = structure.import_graph()
+    worker = [c for c in structure.circles(graph) if any(m.startswith("elastic.worker") for m in c)]
+    assert worker == []
+
+
+def test_no_worker_module_reaches_into_another_objects_private_state() -> None:
+    """Besides groups.py, the one door to c10d's internals (DDP's private methods)."""
+    reaches = structure.private_reaches(structure.RUNTIME / "worker")
+    assert [r for r in reaches if not r.startswith("elastic/worker/groups.py:")] == []
+
+
 def test_the_runtime_top_level_holds_at_most_six_modules() -> None:
     loose = structure.loose_modules()
     assert len(loose) <= 6, loose

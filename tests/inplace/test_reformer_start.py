@@ -30,8 +30,8 @@ class _Member:
 
 def _group(failures: list[BaseException]) -> tuple[InPlaceGroup, list[str], _Resumer]:
     resumer = _Resumer(failures)
-    run: Any = type("FakeRun", (), {"_resumer": resumer})()
-    group = InPlaceGroup(run, _Member())  # type: ignore[arg-type]
+    parts: Any = type("FakeParts", (), {"resumer": resumer})()
+    group = InPlaceGroup(parts, _Member())  # type: ignore[arg-type]
     done: list[str] = []
     group._on_new_group = lambda broken=False: done.append("group")  # type: ignore[method-assign]
     group.reform = lambda: done.append("reform")  # type: ignore[method-assign]

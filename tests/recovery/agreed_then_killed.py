@@ -27,7 +27,7 @@ def _arm(step: int, marker: str) -> None:
 
     def agree_then_die(self: StepEnd) -> Any:
         agreed = agree(self)
-        if self.run.rank == 0 and self.run.step == step and _first(marker):
+        if self.parts.place.rank == 0 and self.parts.train.step == step and _first(marker):
             time.sleep(SETTLE_S)
             os.kill(os.getpid(), signal.SIGKILL)
         return agreed

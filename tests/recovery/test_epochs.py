@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from elastic.errors import RecoveryError
-from elastic.worker.session import Run, rolled_over
+from elastic.worker.session import Run
+from elastic.worker.state import rolled_over
 
 
 def test_a_state_of_the_previous_epochs_end_is_this_epochs_start() -> None:
@@ -41,5 +42,5 @@ def test_an_epoch_left_on_the_wrong_counter_is_an_error(tmp_path) -> None:  # ty
         for _ in run.epochs(3):
             for _ in run.batches([1]):
                 pass
-            run.epoch -= 1  # as the rewound state of the previous epoch did (the bug)
+            run.train.begin_epoch(run.epoch - 1)  # as the rewound state did (the bug)
     run.close()

@@ -1,7 +1,8 @@
 """The job's end with a newer round pending (elastic.worker.agreement.StepEnd.
-end_in_newest_round and Run._save_final): the group never ends in a round whose fence moved
-on; it re-forms into the newer round and commits the last step there. Stand-ins for the group
-and the checkpoint manager (the units under test are the end's decisions); milliseconds."""
+end_in_newest_round and elastic.worker.ending.save_final): the group never ends in a round
+whose fence moved on; it re-forms into the newer round and commits the last step there.
+Stand-ins for the group and the checkpoint manager (the units under test are the end's
+decisions); milliseconds."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from elastic.worker.agreement import END_REFORMS, StepEnd
-from elastic.worker.session import Run
+from elastic.worker.agreement import StepEnd
+from elastic.worker.ending import END_REFORMS, save_final
 
 STEP = 16
 
@@ -60,24 +61,29 @@ class World:
         self.round = self.pending if self.pending is not None else self.round + 1
         self.pending = self.round + 1 if self.endless else None
         self.fence_moved = False
-        self.run._checkpoints = Manager(self)  # a new group: a new manager
+        self.parts.checkpoints.manager = Manager(self)  # a new group: a new manager
 
-    def make_run(self) -> Any:
-        run: Any = SimpleNamespace(step=STEP, _round=self.round, _group=self, _last_saved=-1)
-        run._persist_state = dict
-        run._checkpoints = Manager(self)
+    def make_parts(self) -> Any:
+        """A run's parts: its state at step STEP, this group, a checkpoint manager."""
+        parts: Any = SimpleNamespace(
+            train=SimpleNamespace(step=STEP),
+            place=SimpleNamespace(round=self.round, rank=0),
+            group=self,
+            checkpoints=SimpleNamespace(manager=Manager(self)),
+            persist_state=dict,
+        )
         end = StepEnd.__new__(StepEnd)
-        end.run, end._hang = run, None
-        run._step_end = end
-        self.run = run
-        return run
+        end.parts, end._hang = parts, None
+        parts.step_end = end
+        self.parts = parts
+        return parts
 
 
 def _end(world: World) -> Any:
-    run = world.make_run()
-    run._step_end.end_in_newest_round()
-    Run._save_final(run, at_end=True)
-    return run
+    parts = world.make_parts()
+    parts.step_end.end_in_newest_round()
+    save_final(parts, at_end=True)
+    return parts
 
 
 def test_no_newer_round_saves_once_in_its_round() -> None:
@@ -101,11 +107,11 @@ def test_a_round_that_formed_during_the_save_refuses_it_and_the_group_saves_agai
 
 def test_a_refusal_without_a_newer_round_does_not_wait_for_one() -> None:
     world = World()
-    world.make_run()
+    world.make_parts()
     world.saves.clear()
-    run = world.run
-    run._checkpoints.save = lambda *a, **k: SimpleNamespace(ok=False)  # etcd does not answer
-    Run._save_final(run, at_end=True)
+    parts = world.parts
+    parts.checkpoints.manager.save = lambda *a, **k: SimpleNamespace(ok=False)  # no etcd
+    save_final(parts, at_end=True)
     assert world.round == 5
 
 
@@ -123,6 +129,6 @@ def test_newer_rounds_forming_forever_are_bounded() -> None:
 
 def test_a_stop_saves_once_and_never_waits_for_a_round() -> None:
     world = World(pending=6)
-    run = world.make_run()
-    Run._save_final(run, at_end=False)
+    parts = world.make_parts()
+    save_final(parts, at_end=False)
     assert world.saves == [(STEP, 5, False)] and world.asked == []

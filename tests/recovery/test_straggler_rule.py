@@ -363,8 +363,8 @@ def test_step_times_measure_and_ask_for_probation_or_leave(
     killed: list[tuple[int, int]] = []
     monkeypatch.setattr(timing.os, "kill", lambda pid, sig: killed.append((pid, sig)))
     guard = _Waits()
-    run = SimpleNamespace(_group=SimpleNamespace(guard=guard), reforms=0, step=0, rank=0)
-    times = timing.StepTimes(run)  # type: ignore[arg-type]
+    run = SimpleNamespace(reforms=0, step=0, rank=0)  # the state and the place, as one
+    times = timing.StepTimes(run, run, guard)  # type: ignore[arg-type]
     assert times.slots()["compute_s"] == 0.0  # the first step is not measured
     guard.total = 0.5
     slots = times.slots()
@@ -385,7 +385,7 @@ def test_step_times_measure_and_ask_for_probation_or_leave(
     monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", str(os.getpid()))
     asked: list[tuple[int, probation.Request]] = []
     monkeypatch.setattr(probation, "write_request", lambda o, r: asked.append((o, r)))
-    times2 = timing.StepTimes(run)  # type: ignore[arg-type]
+    times2 = timing.StepTimes(run, run, guard)  # type: ignore[arg-type]
     for step in (1, 2):
         run.step = step
         times2.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
@@ -394,7 +394,7 @@ def test_step_times_measure_and_ask_for_probation_or_leave(
 
     monkeypatch.setenv("ELASTIC_PROBATION", "off")  # probation off: its agent leaves
     monkeypatch.setenv("ELASTIC_SNAPSHOT_OWNER", "4242")
-    times3 = timing.StepTimes(run)  # type: ignore[arg-type]
+    times3 = timing.StepTimes(run, run, guard)  # type: ignore[arg-type]
     for step in (1, 2):
         run.step = step
         times3.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, slow))
@@ -421,8 +421,8 @@ def test_a_rank_claiming_another_nodes_id_cannot_drop_it(
     asked: list[object] = []
     monkeypatch.setattr(probation, "write_request", lambda o, r: asked.append(r))
     monkeypatch.setattr(timing.os, "kill", lambda pid, sig: asked.append((pid, sig)))
-    run = SimpleNamespace(_group=SimpleNamespace(guard=None), reforms=0, step=0, rank=2)
-    times = timing.StepTimes(run)  # type: ignore[arg-type]
+    run = SimpleNamespace(reforms=0, step=0, rank=2)  # the state and the place, as one
+    times = timing.StepTimes(run, run)  # type: ignore[arg-type]
     liar = ((1.0, 0.0, 7.0, 0.0), (1.0, 0.0, 8.0, 0.0), (1.0, 0.0, 9.0, 0.0), (3.0, 0.0, 9.0, 0.0))
     for step in (1, 2):
         run.step = step
@@ -431,7 +431,7 @@ def test_a_rank_claiming_another_nodes_id_cannot_drop_it(
     assert times.last.drop.ranks == (2, 3)
     assert asked == []
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on node 9 are its own: it goes
-    times = timing.StepTimes(run)  # type: ignore[arg-type]
+    times = timing.StepTimes(run, run)  # type: ignore[arg-type]
     for step in (1, 2):
         run.step = step
         times.observe(Tally(0, 0, 0, 0, 0, 0.0, 0.0, liar))
