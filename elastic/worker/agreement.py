@@ -117,15 +117,16 @@ class StepEnd:
                 self._hang.agreeing = False
         self.times.agreed(time.perf_counter() - began)
         tally = layout.parse(gathered) if gathered is not None else None
+        drop = False  # the straggler rule drops a node here: it takes effect at this boundary
         if tally is not None:
             self._refused(tally)
-            self.times.observe(tally)
+            drop = self.times.observe(tally)
             if self._hang is not None:  # every rank's mark commitment for the next step
                 commits = tuple(s[len(SLOTS)] for s in tally.slots)
                 self._hang.committed(place.round, train.step + 1, commits)
         train.agreed_loss(tally.mean_loss if tally is not None else None)
         everyone = tally is not None and tally.stops == place.world_size
-        return decide(tally, place.world_size, vote, parts.group.in_place), everyone
+        return decide(tally, place.world_size, vote, parts.group.in_place, drop), everyone
 
     def layout(self) -> Layout:
         """Each rank's record: its votes, loss sums, straggler figures and hang commitment."""

@@ -14,7 +14,8 @@ outcome                 when                                                    
 ``RESTART``             restart path: a peer stops (the agents re-form: exit 75)  restart
                         in place: this rank cannot reach the newer round          in place
 ``REFORM``              in place: a peer stops or cannot join the newer round,   in place
-                        every rank is ready for it, or the agreement failed
+                        every rank is ready for it, the straggler rule drops a
+                        node at this boundary, or the agreement failed
 ``GO_ON``               otherwise                                                both
 ======================  =======================================================  ========
 
@@ -175,9 +176,15 @@ class Layout:
         )
 
 
-def decide(tally: Tally | None, world: int, mine: Vote, in_place: bool) -> Outcome:
+def decide(
+    tally: Tally | None, world: int, mine: Vote, in_place: bool, drop: bool = False
+) -> Outcome:
     """The step boundary's outcome for this rank (``mine``), from the group's sums
-    (``tally``; None: the agreement failed, a peer was lost, in place only)."""
+    (``tally``; None: the agreement failed, a peer was lost, in place only). ``drop``: the
+    straggler rule, applied by every rank to the same records, drops a node at this
+    boundary: in place every rank re-forms here, the dropped node's ranks too (its agent
+    leaves the round and tells them to leave while they wait), so that the next step runs
+    at the new world and no step is redone."""
     if tally is None:
         if mine.stop:
             return Outcome(Action.LEAVE, "the agreement failed and this rank stops")
@@ -197,6 +204,8 @@ def decide(tally: Tally | None, world: int, mine: Vote, in_place: bool) -> Outco
         return Outcome(Action.REFORM, "a peer leaves: the others re-form without it")
     if tally.broken:
         return Outcome(Action.REFORM, "a peer cannot reach the newer round: it restarts")
+    if drop:
+        return Outcome(Action.REFORM, "a node is dropped as a straggler: the group re-forms here")
     if tally.ready == world:
         return Outcome(Action.REFORM, "every rank is ready for the agent's newer round")
     return Outcome(Action.GO_ON, "no rank stops and no newer round is ready")

@@ -101,10 +101,12 @@ class StepTimes:
         """The agreement's all-gather took ``seconds`` (the restart path's wait)."""
         self._agreed_s += seconds
 
-    def observe(self, tally: Tally) -> None:
-        """Apply the rule to the group's figures (every rank alike); rank 0 records."""
+    def observe(self, tally: Tally) -> bool:
+        """Apply the rule to the group's figures (every rank alike); rank 0 records. True
+        when the rule drops a node at this step (every rank's same answer: the boundary
+        re-forms, :func:`elastic.worker.boundary.decide`)."""
         if not tally.slots:
-            return
+            return False
         view = straggler.View(
             self.train.step,
             tuple(s[0] for s in tally.slots),
@@ -141,11 +143,11 @@ class StepTimes:
                     median_s=round(statistics.median(view.compute), 6),  # a probe's target
                 )
         drop = decision.drop
-        if drop is not None and self.place.rank == min(drop.ranks) and not self._left:
-            if not self._ours(drop):
-                return
+        mine = drop is not None and self.place.rank == min(drop.ranks) and not self._left
+        if drop is not None and mine and self._ours(drop):
             median = statistics.median(view.compute)
             self._leave(probation.Request(view.step, drop.ratio, median, decision.reason))
+        return drop is not None
 
     def _ours(self, drop: straggler.Slow) -> bool:
         """Whether the dropped node (this rank's) holds no rank but its own: a rank

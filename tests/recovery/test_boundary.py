@@ -204,3 +204,15 @@ def test_every_rank_stopping_still_ends_the_job_with_records() -> None:
     tally = layout.parse(torch.stack([layout.row(STOP, (1.0, 1.0), HONEST)] * 3))
     assert tally.refused == () and tally.persists == 3
     assert ends_the_job(decide(tally, 3, STOP, in_place=True))
+
+
+def test_a_straggler_drop_re_forms_at_the_boundary_in_place_only() -> None:
+    """The straggler rule's drop takes effect where it is decided: in place every rank
+    (the dropped node's too) re-forms at this boundary, so no step is redone; a stop or a
+    failed agreement comes first; the restart path goes on (its agents re-form)."""
+    tally = _tally([NONE, NONE, NONE])
+    assert decide(tally, 3, NONE, in_place=True, drop=True).action is A.REFORM
+    assert decide(tally, 3, NONE, in_place=True, drop=False).action is A.GO_ON
+    assert decide(tally, 3, NONE, in_place=False, drop=True).action is A.GO_ON
+    assert decide(_tally([STOP, NONE, NONE]), 3, STOP, in_place=True, drop=True).action is A.LEAVE
+    assert decide(_tally([STOP] * 3), 3, STOP, in_place=True, drop=True).action is A.STOP_ALL

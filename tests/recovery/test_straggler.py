@@ -89,7 +89,7 @@ class DutyCycle:
 
 @pytest.mark.timeout(300)
 def test_a_slowed_node_is_named_and_dropped(cluster: LocalCluster, tmp_path: Path) -> None:
-    from tests.recovery.test_inplace import _check_result, _reference
+    from tests.recovery.test_inplace import _check_result, _records, _reference
 
     epochs, k, slow_after = 10, 3, 40
     out, ref = tmp_path / "out", tmp_path / "ref"
@@ -122,6 +122,12 @@ def test_a_slowed_node_is_named_and_dropped(cluster: LocalCluster, tmp_path: Pat
     assert cluster.nodes["c"].pid in {e["pid"] for e in cluster.events("node.leave")}
     assert any("slowest" in e for e in cluster.steps()), "train.step carries no ratios"
     _check_result(cluster, out, ref, epochs)
+    # the drop takes effect at the boundary where it is decided: no step in flight is redone
+    rounds: dict[int, set[int]] = {}
+    for record in _records(out):
+        rounds.setdefault(record["step"], set()).add(record["round"])
+    redone = sorted(step for step, seen in rounds.items() if len(seen) > 1)
+    assert not redone, f"steps attempted in two rounds (redone): {redone}"
     print(f"named at step {d['step']} (slowed from {slow_after}), ratio {d['ratio']}")
 
 
