@@ -103,7 +103,7 @@ class BootstrapStore:
         """Stop hosting (the round's workers are gone) and release a held port."""
         server, self._server = self._server, None
         if server is not None:
-            server.close(wait)
+            self._hosts.give_back(server, wait)
         self._release()
 
     def _release(self) -> None:

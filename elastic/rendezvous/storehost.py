@@ -8,14 +8,19 @@ importing torch takes (``RLIMIT_DATA``), the worst it can do is end this process
 round's workers lose their store, the round fails and the next one forms with a fresh
 host. The agent lives.
 
-Start latency. A fresh Python importing torch takes 1-2 s, so the agent keeps one host
-*standing by* (:class:`Standby`): started ahead, torch imported, waiting on a Unix socket.
-When the agent becomes rank 0 it hands the held listening socket over (``SCM_RIGHTS``) and
-the host answers with ``ready`` as soon as torch's server (libuv) listens on it: a few
-milliseconds. The next standby starts in the background while the round runs.
+Start latency. A fresh Python importing torch takes 1-2 s of CPU, so the agent keeps one
+host *standing by* (:class:`Standby`): started ahead, torch imported, waiting on a Unix
+socket. When the agent becomes rank 0 it hands the held listening socket over
+(``SCM_RIGHTS``) and the host answers with ``ready`` as soon as torch's server (libuv)
+listens on it: a few milliseconds. When the round ends the agent says ``end``: the host
+drops that round's server (its keys and clients) and stands by again for the agent's next
+round, so a round costs no new import. A host started at every round imported torch
+beside the joiner's own start on a 2-core machine and made a join's first step 0.5 s
+later. Only a host that ended (a stranger's flood past its cap) is replaced: the next one
+starts when the agent next needs one.
 
 The host dies with the agent (``PR_SET_PDEATHSIG``) and when the agent closes its end of
-the socket (the round is over).
+the socket (the node is done).
 
 Run as ``python -m elastic.rendezvous.storehost FD`` (FD: its end of the socket pair).
 """
@@ -41,6 +46,7 @@ MEMORY_CAP_MIB = 256
 START_TIMEOUT_S = 60.0  # a host importing torch on a loaded machine
 SERVE_TIMEOUT_S = 10.0  # from handing the socket over to torch's server listening on it
 _MSG = 64
+_FRAME = 8  # an agent's message: "serve" (with the socket) or "end"
 
 
 class HostError(OSError):
@@ -63,6 +69,7 @@ class Standby:
             theirs.close()
         self._sock = ours
         self.pid = self._proc.pid
+        self._loaded = False  # torch imported (its "loaded" came)
 
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -75,10 +82,12 @@ class Standby:
         """
         self._sock.settimeout(timeout)
         try:
-            loaded = self._sock.recv(_MSG)  # the host sends this once torch is imported
-            if loaded != b"loaded":
-                raise HostError(f"The store's host (pid {self.pid}) ended before it was ready.")
-            socket.send_fds(self._sock, [b"serve"], [listener.fileno()])
+            if not self._loaded:
+                loaded = self._sock.recv(_MSG)  # the host sends this once torch is imported
+                if loaded != b"loaded":
+                    raise HostError(f"The store's host (pid {self.pid}) ended before it was ready.")
+                self._loaded = True
+            socket.send_fds(self._sock, [_frame(b"serve")], [listener.fileno()])
             self._sock.settimeout(SERVE_TIMEOUT_S)
             answer = self._sock.recv(_MSG)
         except OSError as exc:
@@ -91,6 +100,17 @@ class Standby:
                 f"{answer.decode(errors='replace') or 'it ended'}."
             )
         self._sock.settimeout(None)
+
+    def end(self) -> bool:
+        """End the round this host serves (its server, keys and clients go); it stands by
+        for the next. False when the host is gone (a flood past its cap ended it)."""
+        if not self.alive():
+            return False
+        try:
+            self._sock.sendall(_frame(b"end"))
+        except OSError:
+            return False
+        return True
 
     def close(self, wait: bool = True) -> None:
         """End the host (and the store it serves); idempotent. ``wait=False`` reaps it in
@@ -111,17 +131,19 @@ class Standby:
 
 
 class Hosts:
-    """An agent's store hosts: the one serving its round, and one standing by."""
+    """An agent's store host: standing by, or serving its round (then given back)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._standby: Standby | None = None
         self._starting: threading.Thread | None = None
+        self._serving: Standby | None = None
 
     def prepare(self) -> None:
-        """Start a standby host in the background unless one is there or starting."""
+        """Start a standby host in the background unless one is there, starting or
+        serving (it stands by again when its round ends)."""
         with self._lock:
-            if self._standby is not None or self._starting is not None:
+            if self._standby is not None or self._starting is not None or self._serving:
                 return
             self._starting = threading.Thread(
                 target=self._start, name="elastic-storehost", daemon=True
@@ -138,7 +160,7 @@ class Hosts:
             self._standby, self._starting = standby, None
 
     def take(self) -> Standby:
-        """The standby host (started now if none was), and another starts behind it."""
+        """The standby host (started now if none was); it serves until :meth:`give_back`."""
         self.prepare()
         with self._lock:
             starting = self._starting
@@ -150,8 +172,21 @@ class Hosts:
             if standby is not None:
                 standby.close()
             standby = Standby()
-        self.prepare()
+        with self._lock:
+            self._serving = standby
         return standby
+
+    def give_back(self, host: Standby, wait: bool = True) -> None:
+        """The round ``host`` served is over: it stands by for the next one, or, when it
+        ended (a flood past its cap), is reaped (``wait=False``: in the background)."""
+        with self._lock:
+            if self._serving is host:
+                self._serving = None
+            keep = self._standby is None and host.end()
+            if keep:
+                self._standby = host
+        if not keep:
+            host.close(wait)
 
     def close(self) -> None:
         with self._lock:
@@ -160,8 +195,10 @@ class Hosts:
             starting.join()
         with self._lock:
             standby, self._standby = self._standby, None
-        if standby is not None:
-            standby.close()
+            serving, self._serving = self._serving, None
+        for host in (standby, serving):
+            if host is not None:
+                host.close()
 
 
 # -- the host process ------------------------------------------------------------------
@@ -186,6 +223,12 @@ def cap_memory(extra_mib: int = MEMORY_CAP_MIB) -> int:
     return limit
 
 
+def _frame(word: bytes) -> bytes:
+    """An agent's message to its host: one word in :data:`_FRAME` bytes, so that an
+    ``end`` and the next ``serve`` never read as one."""
+    return word.ljust(_FRAME, b"\0")
+
+
 def main(fd: int) -> int:
     from elastic.node.procs import die_with_parent
 
@@ -196,32 +239,38 @@ def main(fd: int) -> int:
 
     cap_memory()
     sock.sendall(b"loaded")
-    try:
-        msg, fds, _, _ = socket.recv_fds(sock, _MSG, 1)
-    except OSError:
-        return 0
-    if msg != b"serve" or len(fds) != 1:
-        return 0  # the agent closed its end: no round for this host
-    listener = socket.socket(fileno=fds[0])
-    host, port = listener.getsockname()[:2]
-    try:
-        store = TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(minutes=5),
-            master_listen_fd=listener.fileno(),
-            use_libuv=True,
-        )
-    except (RuntimeError, OSError) as exc:
-        sock.sendall(f"error: {exc}"[:_MSG].encode())
-        return 1
-    listener.detach()  # torch's server owns it now
-    sock.sendall(b"ready")
-    sock.recv(_MSG)  # until the agent closes its end (or dies: PR_SET_PDEATHSIG)
-    del store
-    return 0
+    serving: list[TCPStore] = []  # the round's server (at most one)
+    while True:  # one round at a time, until the agent closes its end (or dies)
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, _FRAME, 1)
+        except OSError:
+            return 0
+        word = msg.rstrip(b"\0")
+        if word == b"end":
+            serving.clear()  # the round's server goes, with its keys and clients
+            continue
+        if word != b"serve" or len(fds) != 1:
+            return 0  # the agent closed its end: the node is done
+        listener = socket.socket(fileno=fds[0])
+        host, port = listener.getsockname()[:2]
+        serving.clear()
+        try:
+            server = TCPStore(
+                host,
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(minutes=5),
+                master_listen_fd=listener.fileno(),
+                use_libuv=True,
+            )
+        except (RuntimeError, OSError) as exc:
+            sock.sendall(f"error: {exc}"[:_MSG].encode())
+            return 1
+        serving.append(server)
+        del server  # the list holds the one reference: "end" drops the server
+        listener.detach()  # torch's server owns it now
+        sock.sendall(b"ready")
 
 
 if __name__ == "__main__":
