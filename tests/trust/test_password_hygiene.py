@@ -116,7 +116,18 @@ def _holder(user: list[str]) -> subprocess.Popen[str]:
 def _as_nobody() -> list[str]:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         return []  # already not root: the plain run is the non-root one
+    if not _others_can_enter(REPO):
+        pytest.skip(
+            f"uid {NOBODY} cannot read this checkout ({REPO} sits in a directory only its owner "
+            "may enter, e.g. one made by mktemp -d); clone it where others may read it."
+        )
     return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+def _others_can_enter(path: Path) -> bool:
+    """Whether a user of no group of ours may reach ``path``: every directory above it
+    lets others search it."""
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
 
 
 @pytest.mark.integration
