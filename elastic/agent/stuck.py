@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from typing import Any
 
-from elastic import secret
+from elastic.worker import groups
 from elastic.worker.hang import verdict_key
 
 logger = logging.getLogger(__name__)
@@ -47,13 +47,9 @@ def stuck_pids(
 
 
 def _connect(host: str, port: int) -> Any:
-    """A client of the round's store at ``host:port`` in the workers' key space
-    (:func:`elastic.worker.groups.client`, with a short timeout)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(host, port, is_master=False, timeout=CONNECT_TIMEOUT, use_libuv=True)
-    space = secret.key_space(f"{host}:{port}")
-    return store if space is None else dist.PrefixStore(space, store)
+    """A client of the round's store at ``host:port`` in the workers' key space, with a
+    short timeout."""
+    return groups.client(host, port, CONNECT_TIMEOUT)
 
 
 class VerdictReader:

@@ -131,10 +131,11 @@ def _made(make: Callable[[], _T]) -> _T:
         raise
 
 
-def client(host: str, port: int) -> dist.Store:
-    """A client of a round's bootstrap store: with a job secret, the workers' keys live
-    under a prefix only members can compute (:func:`elastic.secret.key_space`)."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=_timeout, use_libuv=True)
+def client(host: str, port: int, timeout: timedelta | None = None) -> dist.Store:
+    """A client of a round's bootstrap store (``timeout``: default the groups'): with a job
+    secret, the workers' keys live under a prefix only members can compute
+    (:func:`elastic.secret.key_space`)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout or _timeout, use_libuv=True)
     space = secret.key_space(f"{host}:{port}")
     return store if space is None else dist.PrefixStore(space, store)
 
